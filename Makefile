@@ -1,0 +1,26 @@
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install test run bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# torch pinned: 2.13.0 is the CPU build on local disk; any other spec pulls a multi-GB CUDA build.
+	$(PY) -m pip install torch==2.13.0
+
+install: $(PY)
+	$(PY) -m pip install -e '.[test]'
+
+test: install
+	$(PY) -m pytest -q
+
+run: install
+	$(VENV)/bin/tokenmill generate "Write a haiku about tokens."
+
+bench: install
+	$(PY) bench/decode_prefill.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

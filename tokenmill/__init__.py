@@ -1,0 +1,14 @@
+"""tokenmill: serve and optimize language models on CPU and CUDA."""
+
+from tokenmill.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; import it on first use so `import tokenmill` stays light.
+    if name == "LLM":
+        from tokenmill.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

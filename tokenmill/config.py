@@ -1,0 +1,117 @@
+"""Validated configuration dataclasses.
+
+Every config rejects unknown keys (``from_dict``) with a message that names them, and
+checks its values on construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.errors import InvalidParameterError
+
+
+def reject_unknown_keys(cls: type, data: dict[str, Any]) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InvalidParameterError(
+            f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"known keys are {', '.join(sorted(known))}"
+        )
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+
+    factor: float
+    """How much the context was extended."""
+    low_freq_factor: float = 1.0
+    """Wavelengths longer than original_max / low_freq_factor are scaled fully."""
+    high_freq_factor: float = 4.0
+    """Wavelengths shorter than original_max / high_freq_factor are kept."""
+    original_max_position_embeddings: int = 8192
+    """Context length the model was pre-trained at."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer, independent of the file it came from."""
+
+    architecture: str
+    """Model family: 'llama' (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) or 'gemma3'."""
+    vocab_size: int
+    """Rows of the embedding / LM head."""
+    hidden_size: int
+    """Residual stream width."""
+    intermediate_size: int
+    """MLP inner width."""
+    num_layers: int
+    """Number of decoder blocks."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA/MQA when smaller than num_heads)."""
+    head_dim: int
+    """Width of one attention head."""
+    max_position_embeddings: int
+    """Context window in tokens."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base of global (full-attention) layers."""
+    rope_local_theta: float | None = None
+    """RoPE base of sliding-window layers (Gemma 3); None means rope_theta."""
+    rope_scaling: RopeScaling | None = None
+    """Llama-3 RoPE scaling, if any."""
+    tie_word_embeddings: bool = True
+    """LM head shares the embedding matrix."""
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)."""
+    sliding_window: int | None = None
+    """Window of sliding-window layers, in tokens; None for none."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer 'full' or 'sliding'; empty means all 'full'."""
+    hidden_act: str = "silu"
+    """MLP gate activation: 'silu' or 'gelu_tanh'."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this**-0.5 (Gemma 3); None means head_dim."""
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ("llama", "gemma3"):
+            raise InvalidParameterError(f"unknown architecture family {self.architecture!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise InvalidParameterError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidParameterError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise InvalidParameterError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if any(t not in ("full", "sliding") for t in self.layer_types):
+            raise InvalidParameterError(f"layer_types entries must be 'full' or 'sliding': {self.layer_types}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise InvalidParameterError(f"unsupported hidden_act {self.hidden_act!r}")
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        reject_unknown_keys(cls, data)
+        data = dict(data)
+        if isinstance(data.get("rope_scaling"), dict):
+            reject_unknown_keys(RopeScaling, data["rope_scaling"])
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        if "layer_types" in data:
+            data["layer_types"] = tuple(data["layer_types"])
+        return cls(**data)

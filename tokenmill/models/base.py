@@ -1,0 +1,55 @@
+"""The decoder-only causal LM skeleton every family shares.
+
+``forward(input_ids [T], positions [T], kv_cache, meta) -> hidden [T, hidden]`` runs one step
+over a flat batch of new tokens; ``compute_logits(hidden)`` applies the final norm and LM head
+to the rows that need logits (usually each sequence's last token).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, KVCache
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.config import ModelConfig
+from tokenmill.models.layers import RMSNorm, Rotary
+
+
+class CausalLM(nn.Module):
+    """Embedding, a stack of blocks built by ``make_block``, final norm and LM head."""
+
+    norm_cast_before_scale = True
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.make_block(cfg, i, backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_cast_before_scale)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary_global = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+        self.rotary_local = Rotary(cfg.head_dim, local_theta, None if cfg.rope_local_theta else cfg.rope_scaling)
+
+    def make_block(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> nn.Module:
+        raise NotImplementedError
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        rope_global = self.rotary_global(positions, h.dtype)
+        rope_local = self.rotary_local(positions, h.dtype) if self.config.rope_local_theta else rope_global
+        for i, block in enumerate(self.layers):
+            rope = rope_local if self.config.layer_type(i) == "sliding" else rope_global
+            h = block(h, rope, kv_cache.layer(i), meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        h = self.norm(hidden)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, weight).float()

@@ -1,0 +1,122 @@
+"""Layers shared by every model family: norms, rotary embedding, gated MLP, attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32.
+
+    ``cast_before_scale`` picks where the result returns to the input dtype, which matters in
+    bfloat16: Llama multiplies the weight after casting back, Gemma before. Gemma's "1 + w"
+    weights are stored here already offset (as GGUF stores them), so both just multiply.
+    """
+
+    def __init__(self, dim: int, eps: float, cast_before_scale: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.cast_before_scale = cast_before_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.cast_before_scale:
+            return self.weight * h.to(x.dtype)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies of RoPE, [head_dim / 2], with Llama-3 frequency scaling when given."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """Rotate-half (NeoX) RoPE. ``forward`` turns positions [T] into (cos, sin) [T, head_dim]."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, inner: int, act: str) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * inner, bias=False)
+        self.down = nn.Linear(inner, hidden, bias=False)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down(gate * up)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA/MQA, optional QKV bias and QK-norm.
+
+    The KV storage of this layer, the step's metadata and the RoPE tables come in as
+    arguments; the backend does the cache write and the attention itself.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, backend: AttentionBackend,
+                 norm_cast_before_scale: bool = True) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_cast_before_scale) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_cast_before_scale) if cfg.qk_norm else None
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.sliding_window = cfg.sliding_window if cfg.layer_type(layer_index) == "sliding" else None
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(-1, self.n_heads, self.head_dim)
+        k = k.view(-1, self.n_kv_heads, self.head_dim)
+        v = v.view(-1, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
+        return self.o(out.reshape(-1, self.n_heads * self.head_dim))

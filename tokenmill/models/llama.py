@@ -1,0 +1,34 @@
+"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (QK-norm).
+
+Block: x += attn(attn_norm(x)); x += mlp(ffn_norm(x)).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.config import ModelConfig
+from tokenmill.models.base import CausalLM
+from tokenmill.models.layers import Attention, GatedMLP, RMSNorm
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, index, backend)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache, meta)
+        return x + self.mlp(self.ffn_norm(x))
+
+
+class LlamaForCausalLM(CausalLM):
+    def make_block(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> nn.Module:
+        return LlamaBlock(cfg, index, backend)

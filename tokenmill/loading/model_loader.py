@@ -16,6 +16,7 @@ from tokenmill.loading.gguf_config import gguf_model_config, permutes_rope_rows
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.loading.hf_config import hf_model_config
 from tokenmill.loading.sources import ModelSource
+from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.loading.weights import fuse, gguf_name, hf_name, map_tensors, unpermute_rope_rows
 from tokenmill.models.base import CausalLM
 from tokenmill.models.registry import MODEL_CLASSES
@@ -25,14 +26,12 @@ from tokenmill.models.registry import MODEL_CLASSES
 class LoadedModel:
     model: CausalLM
     config: ModelConfig
-    tokenizer: "Tokenizer"
+    tokenizer: Tokenizer
     source: ModelSource
 
 
 def load_model(source: ModelSource, backend: AttentionBackend, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", cache_dir: Path | None = None) -> LoadedModel:
-    from tokenmill.loading.tokenizer import Tokenizer
-
     if source.format == "gguf":
         gguf = GGUFFile(source.path)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, cache_dir=cache_dir)

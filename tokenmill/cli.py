@@ -1,0 +1,112 @@
+"""The ``tokenmill`` command line: thin wrappers over the library.
+
+Errors the user can fix print one line (``error: ...``) and exit with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from tokenmill.errors import TokenmillError
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", default=None,
+                        help="model name, GGUF file, HF directory or hub repo id (default: smollm2-135m-instruct)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+
+
+def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", "-n", type=int, default=max_tokens, help="tokens to generate")
+    parser.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="Serve and optimize language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a prompt and stream the text to stdout")
+    _model_args(gen)
+    _sampling_args(gen, max_tokens=64)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    gen.add_argument("prompt", help="the prompt text")
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    _model_args(chat)
+    _sampling_args(chat, max_tokens=512)
+    chat.add_argument("--system", default=None, help="system prompt")
+    return parser
+
+
+def _sampling_params(args: argparse.Namespace):
+    from tokenmill.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=args.stop)
+
+
+def _load(args: argparse.Namespace):
+    from tokenmill.engine.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _load(args)
+    prompt = llm.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _load(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"tokenmill chat with {llm.model_name} (empty line or Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for delta in llm.stream(llm.render_chat(messages), params):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except TokenmillError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

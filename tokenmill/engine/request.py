@@ -1,0 +1,82 @@
+"""The request object: created on arrival, updated by every stage, until it finishes.
+
+One sample of a request is one :class:`Sequence` (``n > 1`` makes several). A sequence's
+progress is ``num_computed_tokens`` against ``len(all_token_ids)``: the scheduler hands it
+``all_token_ids[num_computed_tokens:]`` to compute next.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.engine.outputs import TokenLogprobs
+from tokenmill.engine.sampler import SamplingState
+from tokenmill.loading.detokenizer import IncrementalDetokenizer
+from tokenmill.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered: every status above RUNNING is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+
+    @property
+    def finished(self) -> bool:
+        return self > SequenceStatus.RUNNING
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+                SequenceStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass
+class Sequence:
+    """One sample being generated."""
+
+    index: int
+    prompt_token_ids: list[int]
+    sampling: SamplingState
+    detokenizer: IncrementalDetokenizer
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    cache_slot: int | None = None
+    text: str = ""
+    """Output text, cut at a matched stop string."""
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sampling.output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.sampling.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.sampling.output_token_ids)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.sequences)

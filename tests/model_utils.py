@@ -4,27 +4,47 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import ContiguousKVCache, TorchSDPABackend
+from tokenmill.attention.kv_cache import ContiguousKVCache
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.models.base import CausalLM
 
 
-def new_cache(model: CausalLM, slots: int = 1, max_len: int = 256) -> ContiguousKVCache:
+def new_cache(model: CausalLM) -> ContiguousKVCache:
     cfg = model.config
-    dtype = model.embed.weight.dtype
-    return ContiguousKVCache(cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype,
+    return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.embed.weight.dtype,
                              model.embed.weight.device)
 
 
 @torch.inference_mode()
 def prompt_logits(model: CausalLM, ids: list[int], chunk: int | None = None) -> torch.Tensor:
     """Logits [len(ids), vocab] for every position, optionally prefilled in chunks."""
-    cache = new_cache(model, max_len=len(ids) + 8)
+    cache = new_cache(model)
+    slot = cache.allocate(len(ids))
     chunk = chunk or len(ids)
     out = []
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
-        meta = AttentionMetadata.build([len(piece)], [start + len(piece)], [0])
-        hidden = model(torch.tensor(piece), meta.positions(), cache, meta)
+        meta = AttentionMetadata.build([len(piece)], [start + len(piece)], [slot])
+        device = model.embed.weight.device
+        hidden = model(torch.tensor(piece, device=device), meta.positions(device), cache, meta)
         out.append(model.compute_logits(hidden))
     return torch.cat(out)
+
+
+def save_byte_tokenizer(path) -> None:
+    """A byte-level tokenizer with no merges (256 byte tokens + <|endoftext|> = id 256) saved
+    as tokenizer.json / tokenizer_config.json, so a tiny random checkpoint loads like a real one."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from tokenmill.loading.tokenizer import byte_alphabet
+
+    vocab = {ch: i for i, ch in enumerate(byte_alphabet().values())}
+    vocab["<|endoftext|>"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": None}))

@@ -6,9 +6,9 @@ import torch
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, top_n: int = 5):
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, top_n: int = 5, device: str = "cpu"):
     """Greedy continuation from an HF model (no EOS stop): (token ids, per-step top-n ids)."""
-    past, ids, out, tops = None, torch.tensor([prompt_ids]), [], []
+    past, ids, out, tops = None, torch.tensor([prompt_ids], device=device), [], []
     for _ in range(max_new_tokens):
         result = model(ids, past_key_values=past, use_cache=True)
         past = result.past_key_values
@@ -16,7 +16,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, top_n: int = 5)
         token = int(torch.argmax(logits))
         out.append(token)
         tops.append(torch.topk(logits, top_n).indices.tolist())
-        ids = torch.tensor([[token]])
+        ids = torch.tensor([[token]], device=device)
     return out, tops
 
 

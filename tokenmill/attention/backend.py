@@ -8,7 +8,7 @@ paged cache and device-specific kernels plug in behind the same call.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,26 +17,12 @@ from tokenmill.attention.metadata import AttentionMetadata
 
 
 class KVCache(Protocol):
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) storage of one layer."""
-
-
-class ContiguousKVCache:
-    """One fixed-size row per sequence: keys/values of layer l are ``[slots, kv_heads, max_len, head_dim]``."""
-
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.max_len = max_len
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[index], self.values[index]
+    def layer(self, index: int) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        """(keys, values) of one layer, indexed by cache slot: ``keys[slot]`` is [kv_heads, capacity, head_dim]."""
 
 
 class AttentionBackend(Protocol):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
                 meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, H, D]."""
 
@@ -70,12 +56,12 @@ class TorchSDPABackend:
         for i in range(meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             ctx, slot, q_len = meta.context_lens[i], meta.cache_slots[i], end - start
-            k_cache[slot, :, ctx - q_len:ctx] = k[start:end].transpose(0, 1)
-            v_cache[slot, :, ctx - q_len:ctx] = v[start:end].transpose(0, 1)
+            k_cache[slot][:, ctx - q_len:ctx] = k[start:end].transpose(0, 1)
+            v_cache[slot][:, ctx - q_len:ctx] = v[start:end].transpose(0, 1)
             # keys older than the window of the first new query are never seen
             first_key = 0 if sliding_window is None else max(0, ctx - q_len - sliding_window + 1)
-            keys = k_cache[slot, :, first_key:ctx].unsqueeze(0)
-            values = v_cache[slot, :, first_key:ctx].unsqueeze(0)
+            keys = k_cache[slot][:, first_key:ctx].unsqueeze(0)
+            values = v_cache[slot][:, first_key:ctx].unsqueeze(0)
             mask = attention_mask(q_len, ctx, first_key, sliding_window, q.device)
             query = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -32,13 +32,14 @@ class LoadedModel:
 
 def load_model(source: ModelSource, backend: AttentionBackend, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", cache_dir: Path | None = None) -> LoadedModel:
+    # the checkpoint first: an unsupported architecture is the error to report, not its tokenizer's
     if source.format == "gguf":
         gguf = GGUFFile(source.path)
-        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, cache_dir=cache_dir)
         checkpoint = open_gguf(gguf)
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, cache_dir=cache_dir)
     else:
-        tokenizer = Tokenizer.from_hf_dir(source.path)
         checkpoint = open_hf(source.path)
+        tokenizer = Tokenizer.from_hf_dir(source.path)
     model = build_model(checkpoint, backend, dtype, device)
     return LoadedModel(model, checkpoint.config, tokenizer, source)
 
@@ -59,7 +60,11 @@ def build_model(checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.
     config, tensors = checkpoint.config, checkpoint.tensors
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, backend)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in fuse(tensors)}
+    try:
+        state = {name: t.to(device=device, dtype=torch.float32 if model.keeps_float32(name) else dtype)
+             for name, t in fuse(tensors)}
+    except KeyError as exc:  # fuse() found q/k/v or gate/up parts missing
+        raise ModelFormatError(f"checkpoint does not fit the {config.architecture} model: {exc.args[0]}") from None
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

@@ -24,7 +24,8 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight skips the random init: weights always come from a checkpoint
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(self.make_block(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_cast_before_scale)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -34,6 +35,11 @@ class CausalLM(nn.Module):
 
     def make_block(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> nn.Module:
         raise NotImplementedError
+
+    def keeps_float32(self, param_name: str) -> bool:
+        """Parameters held in float32 whatever the model dtype (Gemma's 1 + w norm multipliers,
+        which bfloat16 would round differently from HF's float32 ``1 + w``)."""
+        return not self.norm_cast_before_scale and param_name.endswith("norm.weight")
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)

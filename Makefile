@@ -11,7 +11,7 @@ $(PY):
 	$(PY) -m pip install torch==2.13.0
 
 install: $(PY)
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,bench]'
 
 test: install
 	$(PY) -m pytest -q

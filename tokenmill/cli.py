@@ -17,6 +17,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="model name, GGUF file, HF directory or hub repo id (default: smollm2-135m-instruct)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context window in tokens (default: the model's own)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -56,7 +58,7 @@ def _sampling_params(args: argparse.Namespace):
 def _load(args: argparse.Namespace):
     from tokenmill.engine.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device)
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

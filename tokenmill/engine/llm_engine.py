@@ -107,6 +107,7 @@ class LLMEngine:
             if not seq.status.finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
             self._release(seq)
+        self.waiting = deque(s for s in self.waiting if not s.status.finished)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -143,8 +144,8 @@ class LLMEngine:
             seq = self.waiting.popleft()
             if seq.status.finished:  # aborted while waiting
                 continue
-            params = seq.sampling.params
-            budget = self.max_model_len if params.max_tokens is None else seq.num_tokens + params.max_tokens
+            # without max_tokens, start at the prompt's size: the slot grows as the sequence does
+            budget = seq.num_tokens + (seq.sampling.params.max_tokens or 0)
             self.runner.allocate(seq, min(budget, self.max_model_len))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

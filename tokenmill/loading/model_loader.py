@@ -62,15 +62,20 @@ def build_model(checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.
         model = MODEL_CLASSES[config.architecture](config, backend)
     try:
         state = {name: t.to(device=device, dtype=torch.float32 if model.keeps_float32(name) else dtype)
-             for name, t in fuse(tensors)}
+                 for name, t in fuse(tensors)}
     except KeyError as exc:  # fuse() found q/k/v or gate/up parts missing
         raise ModelFormatError(f"checkpoint does not fit the {config.architecture} model: {exc.args[0]}") from None
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
     if missing or unexpected:
         raise ModelFormatError(
             f"checkpoint does not fit the {config.architecture} model: missing {missing[:5]}"
             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}")
+    wrong = [f"{name} {tuple(t.shape)}, expected {expected[name]}" for name, t in state.items()
+             if tuple(t.shape) != expected[name]]
+    if wrong:
+        raise ModelFormatError(f"checkpoint does not fit the {config.architecture} model: "
+                               f"wrong shape of {'; '.join(wrong[:3])}")
     model.load_state_dict(state, assign=True)
     for module in model.modules():  # buffers computed at construction (RoPE) were built on CPU
         for name, buf in list(module.named_buffers(recurse=False)):

@@ -30,3 +30,19 @@ def check_logprobs_close(ours: list[int], ours_top: list[list[int]], theirs: lis
                 f"divergence at {pos}: ours {a} (HF top {theirs_top[pos]}), HF {b} (our top {ours_top[pos]})")
             return False
     return True
+
+
+def count_identical_to_hf(llm, hf, prompt_ids: list[list[int]], max_tokens: int, device: str = "cpu") -> int:
+    """Greedy ``max_tokens`` continuations from tokenmill (one batched generate) and HF; returns how
+    many are identical, asserting every divergence is a top-5 near-tie (check_logprobs_close)."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    identical = 0
+    for ids, out in zip(prompt_ids, llm.generate(prompt_ids, params)):
+        sample = out.outputs[0]
+        assert len(sample.token_ids) == max_tokens
+        theirs, theirs_top = hf_greedy(hf, ids, max_tokens, device=device)
+        identical += check_logprobs_close(sample.token_ids, [[t for t, _ in lp.top] for lp in sample.logprobs],
+                                          theirs, theirs_top)
+    return identical

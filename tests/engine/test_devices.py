@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tests.model_utils import save_byte_tokenizer  # noqa: E402
-from tests.parity import check_logprobs_close, hf_greedy  # noqa: E402
+from tests.parity import count_identical_to_hf  # noqa: E402
 
 CASES = [("cpu", "float32"), ("cpu", "bfloat16"), ("cuda", "float32"), ("cuda", "bfloat16"), ("cuda", "float16")]
 PROMPTS = ["hello world", "The quick brown fox", "1 2 3 4", "def f(x):"]
@@ -38,15 +38,8 @@ def test_llm_matches_hf_on_device(tiny_dir, device, dtype):
         pytest.skip("no CUDA device")
     llm = LLM(str(tiny_dir), device=device, dtype=dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=getattr(torch, dtype)).to(device).eval()
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-    outputs = llm.generate(prompt_ids, params)
-    identical = 0
-    for ids, out in zip(prompt_ids, outputs):
-        sample = out.outputs[0]
-        theirs, theirs_top = hf_greedy(hf, ids, 12, device=device)
-        identical += check_logprobs_close(sample.token_ids, [[t for t, _ in lp.top] for lp in sample.logprobs],
-                                          theirs, theirs_top)
+    identical = count_identical_to_hf(llm, hf, prompt_ids, 12, device=device)
     assert identical >= 3, f"{identical}/4 identical on {device} {dtype}"
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=7)
     first = llm.generate(PROMPTS, seeded)

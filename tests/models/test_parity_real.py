@@ -12,9 +12,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import LLM  # noqa: E402
 from tests.model_utils import prompt_logits  # noqa: E402
-from tests.parity import check_logprobs_close, hf_greedy  # noqa: E402
+from tests.parity import count_identical_to_hf  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -56,19 +56,13 @@ def test_prompt_logits_match_hf(pair):
         with torch.no_grad():
             expected = hf(torch.tensor([ids])).logits[0].float()
         worst = max(worst, (prompt_logits(model, ids) - expected).abs().max().item())
+    print(f"\n{ours.model_name}: max |logit diff| vs HF over {len(PROMPTS)} prompts = {worst:.2e}")
     assert worst <= 2e-3, worst
 
 
 def test_greedy_continuations_match_hf(pair):
     ours, hf = pair
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     prompt_ids = [ours.tokenizer.encode(t) for t in PROMPTS]
-    outputs = ours.generate(prompt_ids, params)
-    identical = 0
-    for ids, out in zip(prompt_ids, outputs):
-        sample = out.outputs[0]
-        assert len(sample.token_ids) == 32
-        ours_top = [[t for t, _ in lp.top] for lp in sample.logprobs]
-        theirs, theirs_top = hf_greedy(hf, ids, 32)
-        identical += check_logprobs_close(sample.token_ids, ours_top, theirs, theirs_top)
+    identical = count_identical_to_hf(ours, hf, prompt_ids, 32)
+    print(f"\n{ours.model_name}: {identical}/10 greedy continuations identical to HF")
     assert identical >= 9, f"only {identical}/10 continuations identical"

@@ -17,7 +17,7 @@ PROMPT = [5, 6, 7]
 def sequence(**params) -> Sequence:
     params.setdefault("max_tokens", None)
     state = SamplingState.create(SamplingParams(**params), PROMPT, eos_token_ids=EOS_IDS)
-    return Sequence(0, list(PROMPT), state, detokenizer=None)
+    return Sequence("r", 0, list(PROMPT), state, detokenizer=None)
 
 
 def feed(seq: Sequence, pieces: list[tuple[int, str]], max_model_len: int = 1000) -> int:

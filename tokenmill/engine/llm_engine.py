@@ -58,7 +58,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._owner: dict[int, Request] = {}
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------
@@ -70,20 +69,19 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
-        sequences = [self._new_sequence(i, ids, params) for i in range(params.n)]
+        sequences = [self._new_sequence(request_id, i, ids, params) for i in range(params.n)]
         request = Request(request_id, text, ids, params, sequences)
         self.requests[request_id] = request
-        for seq in sequences:
-            self._owner[id(seq)] = request
-            self.waiting.append(seq)
+        self.waiting.extend(sequences)
         return request
 
-    def _new_sequence(self, index: int, ids: list[int], params: SamplingParams) -> Sequence:
+    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams) -> Sequence:
         if params.n > 1 and params.seed is not None:  # each sample draws its own stream
             params = params.clone(seed=params.seed * 1_000_003 + index, n=1)
-        state = SamplingState.create(params, ids, "cpu", eos_token_ids=self.eos_token_ids)  # CPU RNG: same tokens on CPU and CUDA
+        # seeded generators live on the CPU: the same tokens on CPU and CUDA, no device round-trip
+        state = SamplingState.create(params, ids, "cpu", eos_token_ids=self.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
-        return Sequence(index, ids, state, detok, logprobs=[] if params.logprobs is not None else None)
+        return Sequence(request_id, index, ids, state, detok, logprobs=[] if params.logprobs is not None else None)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -96,8 +94,6 @@ class LLMEngine:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens but the context window is {self.max_model_len} tokens; "
                 f"shorten the prompt by at least {len(ids) - self.max_model_len + 1} tokens")
-        if params.prompt_logprobs is not None and len(ids) < 1:
-            raise InvalidParameterError("prompt_logprobs needs a prompt")
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -123,7 +119,7 @@ class LLMEngine:
         samples = self.sampler(result.last_logits, [s.sampling for s in self.running])
         changed: dict[str, Request] = {}
         for i, (item, sample) in enumerate(zip(scheduled, samples)):
-            seq, request = item.seq, self._owner[id(item.seq)]
+            seq, request = item.seq, self.requests[item.seq.request_id]
             if i in result.all_logits:
                 request.prompt_logprobs = _prompt_logprobs(
                     result.all_logits[i], seq.prompt_token_ids, seq.sampling.params.prompt_logprobs)
@@ -168,7 +164,6 @@ class LLMEngine:
         self.runner.free(seq)
         if seq in self.running:
             self.running.remove(seq)
-        self._owner.pop(id(seq), None)
 
     # ---- outputs --------------------------------------------------------------------------------
     @staticmethod

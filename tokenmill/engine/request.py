@@ -40,6 +40,7 @@ class SequenceStatus(enum.IntEnum):
 class Sequence:
     """One sample being generated."""
 
+    request_id: str
     index: int
     prompt_token_ids: list[int]
     sampling: SamplingState

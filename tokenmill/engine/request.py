@@ -18,22 +18,24 @@ from tokenmill.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):
-    """Ordered: every status above RUNNING is finished."""
+    """Ordered: every status above PREEMPTED is finished."""
 
     WAITING = 0
     RUNNING = 1
-    FINISHED_STOPPED = 2
-    FINISHED_LENGTH = 3
-    FINISHED_ABORTED = 4
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
 
     @property
     def finished(self) -> bool:
-        return self > SequenceStatus.RUNNING
+        return self > SequenceStatus.PREEMPTED
 
     @property
     def finish_reason(self) -> str | None:
         return {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
-                SequenceStatus.FINISHED_ABORTED: "abort"}.get(self)
+                SequenceStatus.FINISHED_ABORTED: "abort", SequenceStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass
@@ -46,6 +48,11 @@ class Sequence:
     sampling: SamplingState
     detokenizer: IncrementalDetokenizer
     status: SequenceStatus = SequenceStatus.WAITING
+    priority: int = 0
+    """Lower is more important (as vLLM): scheduled first, preempted last."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Mixed into prefix-cache hashes: requests with different salts never share cached blocks."""
     num_computed_tokens: int = 0
     cache_slot: int | None = None
     text: str = ""
@@ -65,6 +72,11 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.sampling.output_token_ids)
 
+    @property
+    def seq_id(self) -> str:
+        """Key of this sample's KV blocks."""
+        return f"{self.request_id}#{self.index}"
+
 
 @dataclass
 class Request:
@@ -74,6 +86,8 @@ class Request:
     params: SamplingParams
     sequences: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Mixed into prefix-cache hashes: requests with different salts never share cached blocks."""
     first_token_time: float | None = None
     finish_time: float | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -14,7 +14,7 @@ from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.loading.model_loader import load_model
-from tokenmill.loading.sources import resolve_model
+from tokenmill.loading.sources import default_cache_dir, resolve_model
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -34,9 +34,9 @@ class LLM:
                  seed: int | None = None, cache_dir: str | os.PathLike | None = None) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        source = resolve_model(model, Path(cache_dir) if cache_dir else None)
-        loaded = load_model(source, TorchSDPABackend(), self.dtype, self.device,
-                            cache_dir=Path(cache_dir) if cache_dir else None)
+        cache = Path(cache_dir) if cache_dir else default_cache_dir()
+        source = resolve_model(model, cache)
+        loaded = load_model(source, TorchSDPABackend(), self.dtype, self.device, cache_dir=cache)
         self.model_name = source.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -36,7 +36,8 @@ def load_model(source: ModelSource, backend: AttentionBackend, dtype: torch.dtyp
     if source.format == "gguf":
         gguf = GGUFFile(source.path)
         checkpoint = open_gguf(gguf)
-        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, cache_dir=cache_dir)
+        tokenizer_cache = cache_dir / "tokenizers" if cache_dir else None  # Gemma's merges take ~2 s to derive
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, cache_dir=tokenizer_cache)
     else:
         checkpoint = open_hf(source.path)
         tokenizer = Tokenizer.from_hf_dir(source.path)

@@ -4,28 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.kv_cache import ContiguousKVCache
-from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.paged import PagedAttentionMetadata, PagedKVCache
+from tokenmill.engine.cache_config import layer_groups
 from tokenmill.models.base import CausalLM
 
-
-def new_cache(model: CausalLM) -> ContiguousKVCache:
-    cfg = model.config
-    return ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.embed.weight.dtype,
-                             model.embed.weight.device)
+BLOCK = 16
 
 
 @torch.inference_mode()
 def prompt_logits(model: CausalLM, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    """Logits [len(ids), vocab] for every position, optionally prefilled in chunks."""
-    cache = new_cache(model)
-    slot = cache.allocate(len(ids))
+    """Logits [len(ids), vocab] for every position, optionally prefilled in chunks, through a paged
+    KV cache whose blocks 1, 2, ... hold the sequence (block 0 is the null block)."""
+    cfg, device = model.config, model.embed.weight.device
+    groups, windows = layer_groups(cfg)
+    num_blocks = -(-len(ids) // BLOCK) + 1
+    cache = PagedKVCache(num_blocks, BLOCK, groups, cfg.num_kv_heads, cfg.head_dim, model.embed.weight.dtype, device)
+    table = list(range(1, num_blocks))
     chunk = chunk or len(ids)
     out = []
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
-        meta = AttentionMetadata.build([len(piece)], [start + len(piece)], [slot])
-        device = model.embed.weight.device
+        meta = PagedAttentionMetadata.build([len(piece)], [start + len(piece)], [[table]] * len(windows), BLOCK,
+                                            device)
         hidden = model(torch.tensor(piece, device=device), meta.positions(device), cache, meta)
         out.append(model.compute_logits(hidden))
     return torch.cat(out)

@@ -45,4 +45,4 @@ def test_llm_matches_hf_on_device(tiny_dir, device, dtype):
     first = llm.generate(PROMPTS, seeded)
     again = llm.generate(PROMPTS[::-1], seeded)[::-1]
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
-    assert llm.engine.runner.cache.num_allocated == 0
+    assert llm.engine.num_used_blocks == 0

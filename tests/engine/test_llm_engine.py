@@ -46,7 +46,7 @@ def no_leftovers(request: pytest.FixtureRequest):
         engine = request.getfixturevalue("llm").engine
         assert not engine.has_unfinished_requests()
         assert engine.requests == {}
-        assert engine.runner.cache.num_allocated == 0
+        assert engine.num_used_blocks == 0
 
 
 def greedy(llm: LLM, prompt, **params):
@@ -180,7 +180,7 @@ def test_context_window_gives_length(llm: LLM) -> None:
     outputs = _run(engine)
     assert outputs[request.request_id].outputs[0].finish_reason == "length"
     assert len(outputs[request.request_id].outputs[0].token_ids) == 4
-    assert engine.runner.cache.num_allocated == 0
+    assert engine.num_used_blocks == 0
 
 
 # ---- logprobs ------------------------------------------------------------------------------------
@@ -231,10 +231,12 @@ def test_abort_frees_the_request_and_its_cache_slot(llm: LLM) -> None:
     requests = [engine.add_request(p, params) for p in PROMPTS[:3]]
     engine.step()
     engine.step()
-    assert engine.runner.cache.num_allocated == 3
+    held = engine.kv.block_table(requests[1].sequences[0].seq_id)[0]
+    used = engine.num_used_blocks
+    assert used >= 3 and len(held) >= 1
     victim = requests[1]
     engine.abort(victim.request_id)
-    assert engine.runner.cache.num_allocated == 2
+    assert engine.num_used_blocks == used - len(held)
     assert victim.request_id not in engine.requests
     assert [s.status for s in victim.sequences] == [SequenceStatus.FINISHED_ABORTED]
     assert len(victim.sequences[0].output_token_ids) == 2
@@ -256,14 +258,14 @@ def test_abort_of_a_waiting_request_leaves_nothing_queued(llm: LLM) -> None:
 
 
 @pytest.mark.real_model
-def test_cache_slot_grows_with_the_sequence(llm: LLM) -> None:
+def test_kv_blocks_follow_the_sequence_not_the_context_window(llm: LLM) -> None:
     engine = llm.engine
     request = engine.add_request(FRANCE, SamplingParams(temperature=0, max_tokens=None))
     engine.step()
-    slot = request.sequences[0].cache_slot
-    capacity = engine.runner.cache.keys[0][slot].shape[1]
+    table = engine.kv.block_table(request.sequences[0].seq_id)[0]
     engine.abort(request.request_id)
-    assert capacity < engine.max_model_len  # no full-context allocation for max_tokens=None
+    block = engine.config.cache.block_size
+    assert len(table) == -(-len(request.prompt_token_ids) // block)  # no full-context reservation
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -350,7 +352,7 @@ def test_stream_deltas_concatenate_to_generate_text(llm: LLM, stop: list[str]) -
 def test_closing_a_stream_aborts_its_request(llm: LLM) -> None:
     stream = llm.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=16))
     assert next(stream)
-    assert llm.engine.runner.cache.num_allocated == 1
+    assert llm.engine.num_used_blocks >= 1
     stream.close()
 
 
@@ -368,7 +370,7 @@ def test_gemma3_smoke() -> None:
     out = gemma.generate("Question: What is the capital of France?\nAnswer:",
                          SamplingParams(temperature=0, max_tokens=8, stop=["\n"]))[0].outputs[0]
     assert (out.text.strip(), out.finish_reason, out.stop_reason) == ("Paris", "stop", "\n")
-    assert gemma.engine.runner.cache.num_allocated == 0
+    assert gemma.engine.num_used_blocks == 0
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -9,15 +9,18 @@ block ``table[p // block_size]``::
     blocks:        7    |    2    |    9
     slot of position p = table[p // 4] * 4 + p % 4     (position 9 -> 9 * 4 + 1 = 37)
 
-Block 0 of every group is the null block: it is never written, and a sliding-window group
-puts it in the table where blocks fell out of the window. Attention never reads a key older
-than the window, so those entries are only placeholders.
+Block 0 of every group is the null block: never written (zeros), a sliding-window group puts
+it in the table where blocks fell out of the window, and batched decodes pad with it. Attention
+never reads a key older than the window and masks the padding, so it only holds places.
 
 Layers are split into KV groups (0: global layers; 1: sliding-window layers of hybrid models
 such as Gemma 3); each group has its own pool and its own block ids. Storage is NHD,
-``[num_blocks, block_size, kv_heads, head_dim]``: it was measured faster on CPU than HND
-(one ``index_select`` over whole blocks yields keys that SDPA reads as a strided view), and it
-is the layout of the CUDA paged kernels (flash-attn, FlashInfer).
+``[num_blocks, block_size, kv_heads, head_dim]``, so a slot is one contiguous
+``[kv_heads, head_dim]`` row: new tokens are written with one ``index_copy_``, a sequence's keys
+read with one ``index_select`` over slots (or as a view of a slot range) that SDPA takes as a
+strided ``[kv_heads, tokens, head_dim]`` view. HND needs a second copy to bring heads first, or
+a gather along dim 1 that measured 50x slower on CPU; NHD is also the layout of the CUDA paged
+kernels (flash-attn, FlashInfer).
 """
 
 from __future__ import annotations
@@ -40,6 +43,13 @@ class PagedLayer:
     """Like keys."""
     group: int
     """KV group: which block tables and slot mapping of the metadata apply."""
+    key_slots: torch.Tensor = field(init=False, repr=False)
+    """keys viewed as [num_blocks * block_size, kv_heads, head_dim], indexed by slot."""
+    value_slots: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.key_slots = self.keys.flatten(0, 1)
+        self.value_slots = self.values.flatten(0, 1)
 
 
 class PagedKVCache:
@@ -77,7 +87,7 @@ class PagedKVCache:
     def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                         num_layers: int) -> int:
         """Bytes of one block id across ``num_layers`` layers (keys and values)."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     @staticmethod
     def num_blocks_for_budget(budget_bytes: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -87,6 +97,11 @@ class PagedKVCache:
         return budget_bytes // PagedKVCache.bytes_per_block(block_size, num_kv_heads, head_dim, dtype, num_layers)
 
 
+def _take(slots_view: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
+    """Keys (or values) at ``slots``: a view for a slot range, else a gather; [n, kv_heads, head_dim]."""
+    return slots_view[slots] if isinstance(slots, slice) else slots_view.index_select(0, slots)
+
+
 @dataclass
 class _SeqAttention:
     """How one prefill chunk attends: its rows, its keys and its mask."""
@@ -94,36 +109,34 @@ class _SeqAttention:
     start: int
     end: int
     """Rows of its new tokens in the flat batch."""
-    blocks: torch.Tensor | slice | None
-    """Blocks holding its keys (a slice when their ids are consecutive); None: the keys are its new tokens."""
-    key_lo: int
-    key_hi: int
-    """Its keys within the gathered tokens."""
+    slots: torch.Tensor | slice | None
+    """Slots of its visible keys; None: the keys are its new tokens (a whole prompt)."""
     mask: torch.Tensor | None
-    """[q_len, key_hi - key_lo] boolean, True = attend; None with ``causal`` or when all keys are seen."""
+    """[q_len, keys] boolean, True = attend; None with ``causal`` or when all keys are seen."""
     causal: bool
 
 
 @dataclass
 class _DecodeBatch:
-    """The query-length-1 sequences of a step, attended in one padded SDPA call."""
+    """Query-length-1 sequences of similar context length, attended in one padded SDPA call."""
 
     rows: torch.Tensor | None
-    """Their rows in the flat batch; None when every row is a decode, in order."""
-    blocks: torch.Tensor | slice
-    """[num_decodes * max_blocks] block ids, each sequence padded with the null block (a slice for one
-    sequence with consecutive ids)."""
-    max_blocks: int
-    key_lo: int
-    key_hi: int
-    """Keys sliced from the gathered tokens (one sequence; else the mask does it)."""
+    """Their rows in the flat batch; None when they are all the rows, in order."""
+    slots: torch.Tensor | slice
+    """Slots of their keys; for several sequences [num_seqs * span], each sequence's blocks from
+    its first visible key, padded with the null block to the longest (span = its tokens)."""
     mask: torch.Tensor | None
-    """[num_decodes, 1, 1, max_blocks * block_size] boolean, True = attend; None when nothing is masked."""
+    """[num_seqs, 1, 1, span] boolean, True = attend; None when nothing is masked."""
+
+
+_Decode = tuple[int, list[int], int, int]
+"""A one-token sequence of a step: (row in the flat batch, blocks from its first visible key,
+first and last + 1 of its keys within those blocks' tokens)."""
 
 
 @dataclass
 class _Plan:
-    decodes: _DecodeBatch | None
+    decodes: list[_DecodeBatch]
     prefills: list[_SeqAttention]
 
 
@@ -176,6 +189,8 @@ class PagedAttentionMetadata:
             for table, ctx, n in zip(tables, context_lens, query_lens):
                 if len(table) * block_size < ctx:
                     raise ValueError(f"block table of {len(table)} blocks cannot hold {ctx} tokens")
+                if 0 in table[(ctx - n) // block_size:(ctx - 1) // block_size + 1]:
+                    raise ValueError("new tokens would be written into the null block 0")
                 slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx))
             slot_mapping.append(torch.tensor(slots, dtype=torch.long, device=device))
         return cls(starts, list(context_lens), [[list(t) for t in tables] for tables in block_tables_per_group],
@@ -189,107 +204,115 @@ class PagedAttentionMetadata:
 
     def _make_plan(self, group: int, window: int | None) -> _Plan:
         bs, tables = self.block_size, self.block_tables[group]
-        decode_ids, prefills = [], []
+        decodes, prefills = [], []
         for i, ctx in enumerate(self.context_lens):
             start, end = self.query_start_loc[i], self.query_start_loc[i + 1]
-            if end - start == 1:
-                decode_ids.append(i)
-                continue
-            if ctx == end - start:  # a whole prompt: its keys are its new tokens
+            if ctx == end - start > 1:  # a whole prompt: its keys are its new tokens
                 mask = attention_mask(ctx, ctx, 0, window, self.device) if window is not None and window < ctx else None
-                prefills.append(_SeqAttention(start, end, None, 0, ctx, mask, mask is None))
+                prefills.append(_SeqAttention(start, end, None, mask, mask is None))
                 continue
             # keys older than the window of the first new query are never seen
             first_key = 0 if window is None else max(0, ctx - (end - start) - window + 1)
             first_block = first_key // bs
-            blocks = self._block_selector(tables[i][first_block:(ctx - 1) // bs + 1])
+            blocks = tables[i][first_block:(ctx - 1) // bs + 1]
+            lo, hi = first_key - first_block * bs, ctx - first_block * bs
+            if end - start == 1:
+                decodes.append((start, blocks, lo, hi))
+                continue
             mask = attention_mask(end - start, ctx, first_key, window, self.device)
-            prefills.append(_SeqAttention(start, end, blocks, first_key - first_block * bs, ctx - first_block * bs,
-                                          mask, False))
-        decodes = self._decode_batch(decode_ids, tables, window) if decode_ids else None
-        return _Plan(decodes, prefills)
+            prefills.append(_SeqAttention(start, end, self._slots(blocks, lo, hi), mask, False))
+        batches = [self._decode_batch(b) for b in _buckets(decodes, bs)]
+        if len(batches) == 1 and len(decodes) == self.query_start_loc[-1]:
+            batches[0].rows = None  # every row is a decode, in order: the output needs no scatter
+        return _Plan(batches, prefills)
 
-    def _decode_batch(self, ids: list[int], tables: list[list[int]], window: int | None) -> _DecodeBatch:
+    def _decode_batch(self, seqs: list[_Decode]) -> _DecodeBatch:
+        rows = torch.tensor([row for row, _, _, _ in seqs], device=self.device)
+        if len(seqs) == 1:
+            _, blocks, lo, hi = seqs[0]
+            return _DecodeBatch(rows, self._slots(blocks, lo, hi), None)
+        max_blocks = max(len(blocks) for _, blocks, _, _ in seqs)
+        padded = torch.tensor([blocks + [0] * (max_blocks - len(blocks)) for _, blocks, _, _ in seqs])
+        slots = (padded[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten().to(self.device)
+        lo = [lo for _, _, lo, _ in seqs]
+        hi = [hi for _, _, _, hi in seqs]
+        span = max_blocks * self.block_size
+        if max(lo) == 0 and min(hi) == span:
+            return _DecodeBatch(rows, slots, None)
+        j = torch.arange(span)
+        mask = (j >= torch.tensor(lo)[:, None]) & (j < torch.tensor(hi)[:, None])
+        return _DecodeBatch(rows, slots, mask[:, None, None, :].to(self.device))
+
+    def _slots(self, blocks: list[int], lo: int, hi: int) -> torch.Tensor | slice:
+        """Slots of tokens lo:hi of ``blocks``: a range when the ids are consecutive, else an index."""
         bs = self.block_size
-        runs, lo, hi = [], [], []
-        for i in ids:
-            ctx = self.context_lens[i]
-            first_key = 0 if window is None else max(0, ctx - window)
-            first_block = first_key // bs
-            runs.append(tables[i][first_block:(ctx - 1) // bs + 1])
-            lo.append(first_key - first_block * bs)
-            hi.append(ctx - first_block * bs)
-        max_blocks = max(len(r) for r in runs)
-        all_rows = len(ids) == len(self.context_lens) and self.query_start_loc[-1] == len(ids)
-        rows = None if all_rows else torch.tensor([self.query_start_loc[i] for i in ids], device=self.device)
-        if len(ids) == 1:
-            return _DecodeBatch(rows, self._block_selector(runs[0]), max_blocks, lo[0], hi[0], None)
-        flat = [b for r in runs for b in r + [0] * (max_blocks - len(r))]
-        blocks = torch.tensor(flat, dtype=torch.long, device=self.device)
-        mask = None
-        if max(lo) > 0 or min(hi) < max_blocks * bs:
-            j = torch.arange(max_blocks * bs)
-            mask = (j >= torch.tensor(lo)[:, None]) & (j < torch.tensor(hi)[:, None])
-            mask = mask[:, None, None, :].to(self.device)
-        return _DecodeBatch(rows, blocks, max_blocks, 0, max_blocks * bs, mask)
-
-    def _block_selector(self, blocks: list[int]) -> torch.Tensor | slice:
-        """A slice of the pool when the ids are consecutive (a view, no copy), else an index tensor."""
         if blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
-            return slice(blocks[0], blocks[-1] + 1)
-        return torch.tensor(blocks, dtype=torch.long, device=self.device)
+            return slice(blocks[0] * bs + lo, blocks[0] * bs + hi)
+        slots = torch.tensor(blocks)[:, None] * bs + torch.arange(bs)
+        return slots.flatten()[lo:hi].to(self.device)
 
 
-def _gather(store: torch.Tensor, blocks: torch.Tensor | slice) -> torch.Tensor:
-    """Tokens of ``blocks`` in order, [n * block_size, kv_heads, head_dim]."""
-    picked = store[blocks] if isinstance(blocks, slice) else store.index_select(0, blocks)
-    return picked.flatten(0, 1)
+DECODE_BUCKET_SLACK = 128
+"""Most padding keys a one-token sequence takes to join a batch: on CPU one more SDPA call
+costs about as much as attending this many keys."""
+
+
+def _buckets(decodes: list[_Decode], block_size: int) -> list[list[_Decode]]:
+    """Split one-token sequences into padded batches: longest first, a new batch when a sequence
+    is more than ``DECODE_BUCKET_SLACK`` keys shorter than the batch's longest."""
+    buckets: list[list[_Decode]] = []
+    longest = 0
+    for seq in sorted(decodes, key=lambda s: -len(s[1])):
+        span = len(seq[1]) * block_size
+        if buckets and longest - span <= DECODE_BUCKET_SLACK:
+            buckets[-1].append(seq)
+        else:
+            buckets.append([seq])
+            longest = span
+    return [sorted(bucket) for bucket in buckets]  # rows in order again
 
 
 class PagedAttentionBackend:
     """Attention over a ``PagedKVCache`` with ``scaled_dot_product_attention`` (CPU and CUDA).
 
-    Every new key/value is written with one ``index_copy_`` into the flattened pool. Sequences
-    with one new token are attended together: their blocks gathered and padded to the longest,
-    query heads of one KV head folded into the query length (GQA without repeating keys),
-    one SDPA call. Prefill chunks go one SDPA call per sequence.
+    Every new key/value is written with one ``index_copy_`` into the slot view of the pool, and
+    keys are read back by slot (a view of a slot range when a sequence's block ids are
+    consecutive, else one ``index_select``). Sequences with one new token are attended in
+    batches of similar length: their keys gathered and padded to the longest, the query heads
+    of one KV head folded into the query length (GQA without repeating keys), one SDPA call
+    per batch. Prefill chunks go one SDPA call per sequence.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedLayer,
                 meta: PagedAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-        keys, values = cache.keys, cache.values
         slots = meta.slot_mapping[cache.group]
-        keys.view(-1, *keys.shape[2:]).index_copy_(0, slots, k)
-        values.view(-1, *values.shape[2:]).index_copy_(0, slots, v)
+        cache.key_slots.index_copy_(0, slots, k)
+        cache.value_slots.index_copy_(0, slots, v)
         plan = meta.plan(cache.group, sliding_window)
-        d = plan.decodes
-        if d is not None and not plan.prefills and d.rows is None:
-            return self._decodes(q, keys, values, d, scale)
+        if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
+            return self._decodes(q, cache, plan.decodes[0], scale)
         out = torch.empty_like(q)
-        if d is not None:
-            out.index_copy_(0, d.rows, self._decodes(q.index_select(0, d.rows), keys, values, d, scale))
+        for d in plan.decodes:
+            out.index_copy_(0, d.rows, self._decodes(q.index_select(0, d.rows), cache, d, scale))
         gqa = q.shape[1] != k.shape[1]
         for s in plan.prefills:
-            query = q[s.start:s.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            if s.blocks is None:
+            if s.slots is None:
                 key, value = k[s.start:s.end], v[s.start:s.end]
             else:
-                key = _gather(keys, s.blocks)[s.key_lo:s.key_hi]
-                value = _gather(values, s.blocks)[s.key_lo:s.key_hi]
-            o = F.scaled_dot_product_attention(query, key.transpose(0, 1).unsqueeze(0),
-                                               value.transpose(0, 1).unsqueeze(0), attn_mask=s.mask,
-                                               is_causal=s.causal, scale=scale, enable_gqa=gqa)
+                key, value = _take(cache.key_slots, s.slots), _take(cache.value_slots, s.slots)
+            o = F.scaled_dot_product_attention(q[s.start:s.end].transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                               value.transpose(0, 1)[None], attn_mask=s.mask, is_causal=s.causal,
+                                               scale=scale, enable_gqa=gqa)  # [1, H, q_len, D]
             out[s.start:s.end] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
-    def _decodes(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, d: _DecodeBatch,
-                 scale: float) -> torch.Tensor:
+    def _decodes(q: torch.Tensor, cache: PagedLayer, d: _DecodeBatch, scale: float) -> torch.Tensor:
         """q [B, H, D] of B one-token sequences -> [B, H, D]."""
         b, h, dim = q.shape
-        kv_heads = keys.shape[2]
-        key = _gather(keys, d.blocks).view(b, -1, kv_heads, dim)[:, d.key_lo:d.key_hi].transpose(1, 2)
-        value = _gather(values, d.blocks).view(b, -1, kv_heads, dim)[:, d.key_lo:d.key_hi].transpose(1, 2)
+        kv_heads = cache.keys.shape[2]
+        key = _take(cache.key_slots, d.slots).view(b, -1, kv_heads, dim).transpose(1, 2)
+        value = _take(cache.value_slots, d.slots).view(b, -1, kv_heads, dim).transpose(1, 2)
         # the h / kv_heads query heads of one KV head become its query rows: [B, Hkv, group, D]
         o = F.scaled_dot_product_attention(q.reshape(b, kv_heads, h // kv_heads, dim), key, value,
                                            attn_mask=d.mask, scale=scale)

@@ -9,12 +9,14 @@ from typing import Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from tokenmill.attention.backend import TorchSDPABackend
+from tokenmill.attention.paged import PagedAttentionBackend
 from tokenmill.device import resolve_device, resolve_dtype
+from tokenmill.engine.cache_config import CacheConfig
 from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.loading.model_loader import load_model
 from tokenmill.loading.sources import default_cache_dir, resolve_model
+from tokenmill.engine.scheduler import SchedulerConfig
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -30,17 +32,23 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
-                 device: str = "auto", max_num_seqs: int = 32, max_model_len: int | None = None,
-                 seed: int | None = None, cache_dir: str | os.PathLike | None = None) -> None:
+                 device: str = "auto", max_model_len: int | None = None, seed: int | None = None,
+                 cache_dir: str | os.PathLike | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_prefill_chunk: int = 0, policy: str = "fcfs",
+                 block_size: int = 16, kv_cache_memory: float | int = 0.1,
+                 enable_prefix_caching: bool = True) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        config = EngineConfig(max_model_len, seed,
+                              SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_prefill_chunk, True, policy),
+                              CacheConfig(block_size, kv_cache_memory, enable_prefix_caching))
         cache = Path(cache_dir) if cache_dir else default_cache_dir()
         source = resolve_model(model, cache)
-        loaded = load_model(source, TorchSDPABackend(), self.dtype, self.device, cache_dir=cache)
+        loaded = load_model(source, PagedAttentionBackend(), self.dtype, self.device, cache_dir=cache)
         self.model_name = source.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.engine = LLMEngine(loaded, self.device, EngineConfig(max_num_seqs, max_model_len, seed))
+        self.engine = LLMEngine(loaded, self.device, config)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams
                  | Sequence[SamplingParams] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:

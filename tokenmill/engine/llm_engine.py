@@ -1,87 +1,139 @@
-"""LLMEngine: add requests, step, abort; every step is one forward pass over all running sequences.
+"""LLMEngine: add requests, step, abort. Every step is one forward pass over a token budget.
 
-This is the simple engine of the model-runtime milestone: a contiguous KV cache row per
-sequence, FCFS admission up to ``max_num_seqs``, whole-prompt prefill. Each step::
-
-    admit waiting sequences -> run the model on every running sequence's new tokens
-    -> sample one token per sequence (one batched sampler call) -> detokenize, check stops
-    -> free finished sequences -> report outputs of requests that changed
+    step():
+      schedule            which sequences run, how many tokens each (scheduler.py)
+      copy-on-write       block copies the KV manager owes (forked n > 1 samples)
+      run the model       one ragged forward pass over all scheduled tokens (model_runner.py)
+      sample              one batched sampler call for every sequence that completed its tokens
+      bookkeeping         cache full blocks, fork n > 1 samples, detokenize, check stops, free
+      report              outputs of the requests that changed, and the step's statistics
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.engine.model_runner import ModelRunner, ScheduledSequence
+from tokenmill.attention.paged import PagedKVCache
+from tokenmill.engine.cache_config import CacheConfig, layer_groups
+from tokenmill.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
 from tokenmill.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs
+from tokenmill.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
 from tokenmill.engine.stop_checker import check_stop, stream_safe_length
 from tokenmill.errors import ContextLengthError, InvalidParameterError
 from tokenmill.loading.detokenizer import IncrementalDetokenizer
 from tokenmill.loading.model_loader import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 
+logger = logging.getLogger("tokenmill.engine")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 32
-    """Sequences decoded together in one step."""
     max_model_len: int | None = None
     """Context window in tokens; None means the model's own."""
     seed: int | None = None
     """Seed of the RNG used by requests without their own seed."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise InvalidParameterError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidParameterError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
+@dataclass
+class StepStats:
+    """What one step did, for metrics."""
+
+    num_seqs: int
+    num_batched_tokens: int
+    num_sampled: int
+    kv_free_blocks: int
+    kv_usage: float
+    prefix_hit_tokens: int
+    num_preempted: int
+    seconds: float
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, device: torch.device, config: EngineConfig = EngineConfig()) -> None:
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.config = config
+        self.model_config, self.tokenizer, self.config, self.device = loaded.config, loaded.tokenizer, config, device
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.runner = ModelRunner(loaded.model, device)
+        self.kv, cache = self._init_kv_cache(loaded, config.cache, device)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(loaded.model, cache, device)
         self.sampler = Sampler(loaded.config.vocab_size, seed=config.seed)
-        self.device = device
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self._parked: dict[str, list[Sequence]] = {}  # n > 1 samples waiting for their prompt's KV
         self._ids = itertools.count()
+        self.stats: deque[StepStats] = deque(maxlen=10_000)
+
+    def _init_kv_cache(self, loaded: LoadedModel, cfg: CacheConfig, device: torch.device):
+        """Size the block pool from the memory budget, one pool per KV group (see cache_config)."""
+        mc = loaded.config
+        groups, windows = layer_groups(mc)
+        dtype = loaded.model.embed.weight.dtype
+        budget = cfg.budget_bytes(device)
+        # never more than max_num_seqs full-length sequences need
+        budget = min(budget, PagedKVCache.bytes_per_block(cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype,
+                                                          mc.num_layers)
+                     * (self.config.scheduler.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1))
+        per_group = [groups.count(g) for g in range(len(windows))]
+        num_blocks = [PagedKVCache.num_blocks_for_budget(budget * n // mc.num_layers, cfg.block_size,
+                                                         mc.num_kv_heads, mc.head_dim, dtype, n) for n in per_group]
+        if min(num_blocks) < 2:
+            raise InvalidParameterError(f"kv_cache_memory of {budget} bytes holds no KV block; raise it")
+        managers = [KVCacheManager(n, cfg.block_size, cfg.enable_prefix_caching, w)
+                    for n, w in zip(num_blocks, windows)]
+        cache = PagedKVCache(num_blocks, cfg.block_size, groups, mc.num_kv_heads, mc.head_dim, dtype, device)
+        self.kv_capacity_tokens = (num_blocks[0] - 1) * cfg.block_size
+        logger.info("KV cache: %d blocks of %d tokens per group (%s), %.1f MiB: %d tokens",
+                    num_blocks[0], cfg.block_size, len(num_blocks), budget / 2**20, self.kv_capacity_tokens)
+        return KVCacheCoordinator(managers), cache
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
         params = params or SamplingParams()
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self._validate_prompt(ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
-        sequences = [self._new_sequence(request_id, i, ids, params) for i in range(params.n)]
-        request = Request(request_id, text, ids, params, sequences)
+        now = time.monotonic()
+        sequences = [self._new_sequence(request_id, i, ids, params, priority, cache_salt, now)
+                     for i in range(params.n)]
+        request = Request(request_id, text, ids, params, sequences, arrival_time=now)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         self.requests[request_id] = request
-        self.waiting.extend(sequences)
+        self.scheduler.add(sequences[0])
+        if len(sequences) > 1:
+            self._parked[request_id] = sequences[1:]
         return request
 
-    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams) -> Sequence:
+    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int,
+                      cache_salt: str | None, now: float) -> Sequence:
         if params.n > 1 and params.seed is not None:  # each sample draws its own stream
             params = params.clone(seed=params.seed * 1_000_003 + index, n=1)
         # seeded generators live on the CPU: the same tokens on CPU and CUDA, no device round-trip
         state = SamplingState.create(params, ids, "cpu", eos_token_ids=self.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
-        return Sequence(request_id, index, ids, state, detok, logprobs=[] if params.logprobs is not None else None)
+        # prompt logprobs need every prompt position computed: no prefix-cache hit for such requests
+        salt = cache_salt if params.prompt_logprobs is None else f"{cache_salt}:prompt-logprobs:{request_id}"
+        return Sequence(request_id, index, ids, state, detok, priority=priority, arrival_time=now, cache_salt=salt,
+                        logprobs=[] if params.logprobs is not None else None)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -94,6 +146,10 @@ class LLMEngine:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens but the context window is {self.max_model_len} tokens; "
                 f"shorten the prompt by at least {len(ids) - self.max_model_len + 1} tokens")
+        if len(ids) + 1 > self.kv_capacity_tokens:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens but the KV cache holds {self.kv_capacity_tokens}; "
+                f"raise kv_cache_memory")
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -102,53 +158,87 @@ class LLMEngine:
         for seq in request.sequences:
             if not seq.status.finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
-            self._release(seq)
-        self.waiting = deque(s for s in self.waiting if not s.status.finished)
+            self.scheduler.finish(seq)
+        self._parked.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_used_blocks(self) -> int:
+        """KV blocks held by sequences, all groups together (0 once every request has ended)."""
+        return sum(g.pool.num_blocks - 1 - g.num_free_blocks for g in self.kv.groups)
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._admit()
-        if not self.running:
-            return []
-        scheduled = [ScheduledSequence(s, s.num_tokens - s.num_computed_tokens,
-                                       all_logits=self._wants_prompt_logprobs(s)) for s in self.running]
-        result = self.runner.execute(scheduled)
-        samples = self.sampler(result.last_logits, [s.sampling for s in self.running])
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
         changed: dict[str, Request] = {}
-        for i, (item, sample) in enumerate(zip(scheduled, samples)):
-            seq, request = item.seq, self.requests[item.seq.request_id]
-            if i in result.all_logits:
-                request.prompt_logprobs = _prompt_logprobs(
-                    result.all_logits[i], seq.prompt_token_ids, seq.sampling.params.prompt_logprobs)
-            seq.num_computed_tokens += item.num_new_tokens
+        for seq in plan.failed:
+            self._fail(seq, changed)
+        if plan.scheduled:
+            self._run(plan.scheduled, changed)
+        self.stats.append(StepStats(
+            len(plan.scheduled), plan.num_batched_tokens, sum(s.completes for s in plan.scheduled),
+            self.kv.num_free_blocks, self.kv.usage, plan.prefix_hit_tokens, len(plan.preempted),
+            time.perf_counter() - start))
+        return [self._report(request) for request in changed.values()]
+
+    def _run(self, scheduled: list[ScheduledSequence], changed: dict[str, Request]) -> None:
+        for group, pairs in enumerate(self.kv.take_pending_copies()):
+            self.runner.cache.copy_blocks(group, pairs)
+        tables = [self.kv.block_table(item.seq.seq_id) for item in scheduled]
+        wants_all = [self._wants_prompt_logprobs(item) for item in scheduled]
+        result = self.runner.execute(scheduled, tables, wants_all)
+        for i, item in enumerate(scheduled):
+            if wants_all[i]:
+                self._add_prompt_logprobs(item, result.all_logits[i])
+        completing = [scheduled[i] for i in result.sample_rows]
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens)
+        rows, seqs = self._with_forked_samples(completing, result.sample_logits)
+        samples = self.sampler(rows, [s.sampling for s in seqs])
+        now = time.monotonic()
+        for seq, sample in zip(seqs, samples):
+            request = self.requests[seq.request_id]
+            request.first_token_time = request.first_token_time or now
             self._append(seq, sample)
-            request.first_token_time = request.first_token_time or time.monotonic()
             changed[request.request_id] = request
-        outputs = []
-        for request in changed.values():
-            if request.finished:
-                request.finish_time = time.monotonic()
-                self.requests.pop(request.request_id, None)
-            outputs.append(self.make_output(request))
-        return outputs
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.popleft()
-            if seq.status.finished:  # aborted while waiting
-                continue
-            # without max_tokens, start at the prompt's size: the slot grows as the sequence does
-            budget = seq.num_tokens + (seq.sampling.params.max_tokens or 0)
-            self.runner.allocate(seq, min(budget, self.max_model_len))
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+    def _with_forked_samples(self, completing: list[ScheduledSequence], logits: torch.Tensor):
+        """Sequences to sample and their logits rows: a request's first sample that just finished its
+        prompt brings its n - 1 siblings, forked onto its KV blocks, sampling from the same row."""
+        rows, seqs = [], []
+        for row, item in enumerate(completing):
+            seq = item.seq
+            rows.append(row)
+            seqs.append(seq)
+            for child in self._parked.pop(seq.request_id, []) if not seq.output_token_ids else []:
+                self.kv.fork(seq.seq_id, child.seq_id)
+                child.num_computed_tokens = seq.num_computed_tokens
+                self.scheduler.add_running(child)
+                rows.append(row)
+                seqs.append(child)
+        return logits[rows], seqs
 
-    def _wants_prompt_logprobs(self, seq: Sequence) -> bool:
-        return (seq.index == 0 and seq.num_computed_tokens == 0
-                and seq.sampling.params.prompt_logprobs is not None)
+    def _wants_prompt_logprobs(self, item: ScheduledSequence) -> bool:
+        """Only the first sample, and only while the prompt logprobs are still being filled in order."""
+        seq, request = item.seq, self.requests[item.seq.request_id]
+        return (request.prompt_logprobs is not None and seq.index == 0
+                and seq.num_computed_tokens + 1 == len(request.prompt_logprobs)
+                and len(request.prompt_logprobs) < len(request.prompt_token_ids))
+
+    def _add_prompt_logprobs(self, item: ScheduledSequence, logits: torch.Tensor) -> None:
+        """Chunk rows at positions a..b-1 predict prompt tokens a+1..b (those inside the prompt)."""
+        request, a = self.requests[item.seq.request_id], item.seq.num_computed_tokens
+        prompt = request.prompt_token_ids
+        targets = prompt[a + 1:min(a + item.num_new_tokens + 1, len(prompt))]
+        if not targets:
+            return
+        entries = compute_prompt_logprobs(logits[:len(targets)], [prompt[a]] + targets,
+                                          item.seq.sampling.params.prompt_logprobs)[1:]
+        request.prompt_logprobs.extend(TokenLogprobs(t, e["logprob"], e["top"]) for t, e in zip(targets, entries))
 
     def _append(self, seq: Sequence, sample) -> None:
         seq.sampling.output_token_ids.append(sample.token_id)
@@ -158,14 +248,23 @@ class LLMEngine:
         if seq.status.finished:
             if not isinstance(seq.stop_reason, str):  # text cut at a stop string stays cut
                 seq.text += seq.detokenizer.finish()
-            self._release(seq)
+            self.scheduler.finish(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        self.runner.free(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+    def _fail(self, seq: Sequence, changed: dict[str, Request]) -> None:
+        """A sequence the KV pool cannot hold even alone: it and its parked siblings end with 'error'."""
+        request = self.requests[seq.request_id]
+        for sibling in self._parked.pop(seq.request_id, []):
+            sibling.status = SequenceStatus.FINISHED_ERROR
+        self.scheduler.finish(seq)
+        changed[request.request_id] = request
 
     # ---- outputs --------------------------------------------------------------------------------
+    def _report(self, request: Request) -> RequestOutput:
+        if request.finished:
+            request.finish_time = time.monotonic()
+            self.requests.pop(request.request_id, None)
+        return self.make_output(request)
+
     @staticmethod
     def make_output(request: Request, streaming: bool = False) -> RequestOutput:
         outputs = []
@@ -175,12 +274,3 @@ class LLMEngine:
                                             seq.stop_reason, seq.logprobs))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.prompt_logprobs)
-
-
-def _prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], top_n: int) -> list[TokenLogprobs | None]:
-    """Logits rows i predict token i+1: shift by one; the first prompt token has no logprob."""
-    entries = compute_prompt_logprobs(logits, prompt_ids, top_n)
-    out: list[TokenLogprobs | None] = []
-    for token, entry in zip(prompt_ids, entries):
-        out.append(None if entry is None else TokenLogprobs(token, entry["logprob"], entry["top"]))
-    return out

@@ -96,6 +96,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING if seq.status != SequenceStatus.PREEMPTED else seq.status
         heapq.heappush(self._waiting, (self._key(seq), next(self._tiebreak), seq))
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in place (a forked n > 1 sample) joins the running set."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     @property
     def num_waiting(self) -> int:
         return sum(1 for *_, s in self._waiting if not s.status.finished)

@@ -1,0 +1,115 @@
+"""Offline throughput: tokenmill's continuous batching vs HF transformers ``generate`` with
+static batches of the same maximum batch size and dtype, on the same requests, in one run.
+
+    python bench/offline_throughput.py [--num-requests 256] [--max-batch 32] [--dtype float32]
+
+Requests: random token prompts of 32-1024 tokens and outputs of 16-512 tokens (uniform, seeded),
+EOS ignored so both engines produce exactly the requested tokens. HF runs the requests in
+arrival order in batches of --max-batch, left-padded, each batch generating up to its longest
+output; only requested tokens count. Output tok/s = requested output tokens / wall time.
+Prints the table, writes JSON and a PNG under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.loading.sources import resolve_model
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_requests(n: int, vocab: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]):
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        prompt_len, output_len = rng.randint(*prompt_range), rng.randint(*output_range)
+        requests.append(([rng.randrange(100, vocab) for _ in range(prompt_len)], output_len))
+    return requests
+
+
+def run_tokenmill(llm: LLM, requests) -> float:
+    params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, out in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([ids for ids, _ in requests], params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == out for o, (_, out) in zip(outputs, requests))
+    return elapsed
+
+
+def run_hf(model, requests, max_batch: int, pad_id: int) -> float:
+    start = time.perf_counter()
+    for i in tqdm(range(0, len(requests), max_batch), desc="hf static batches"):
+        batch = requests[i:i + max_batch]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+        longest = max(out for _, out in batch)
+        with torch.no_grad():
+            model.generate(input_ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=(32, 1024))
+    parser.add_argument("--output-range", type=int, nargs=2, default=(16, 512))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args()
+
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_batch)
+    requests = make_requests(args.num_requests, llm.model_config.vocab_size, args.seed,
+                             tuple(args.prompt_range), tuple(args.output_range))
+    output_tokens = sum(out for _, out in requests)
+    rows = []
+    elapsed = run_tokenmill(llm, requests)
+    rows.append({"engine": "tokenmill", "seconds": elapsed, "output_tok_s": output_tokens / elapsed})
+    print(f"tokenmill        {output_tokens / elapsed:8.1f} output tok/s  ({elapsed:.1f} s)", flush=True)
+    if not args.no_hf:
+        import transformers
+
+        source = resolve_model(args.model)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=getattr(torch, args.dtype)).eval()
+        elapsed = run_hf(hf, requests, args.max_batch, pad_id=0)
+        rows.append({"engine": "hf-transformers (static batches)", "seconds": elapsed,
+                     "output_tok_s": output_tokens / elapsed})
+        print(f"hf-transformers  {output_tokens / elapsed:8.1f} output tok/s  ({elapsed:.1f} s)", flush=True)
+        print(f"ratio tokenmill / hf: x{rows[0]['output_tok_s'] / rows[1]['output_tok_s']:.2f}")
+    RESULTS.mkdir(exist_ok=True)
+    result = {"args": vars(args), "output_tokens": output_tokens, "runs": rows}
+    (RESULTS / "offline_throughput.json").write_text(json.dumps(result, indent=2))
+    _plot(rows)
+
+
+def _plot(rows) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.barh([r["engine"] for r in rows], [r["output_tok_s"] for r in rows], color=["C0", "C1"][:len(rows)])
+    ax.set_xlabel("output tok/s")
+    ax.set_title("offline throughput")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "offline_throughput.png", dpi=100)
+    print(f"wrote {RESULTS / 'offline_throughput.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""CacheConfig: how big the paged KV pool is and how it is cut into blocks and groups."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: float | int = 0.1
+    """KV pool size: bytes when > 1, else a fraction of the device's free memory."""
+    enable_prefix_caching: bool = True
+    """Reuse cached full blocks of identical prompt prefixes."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise InvalidParameterError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.kv_cache_memory > 0:
+            raise InvalidParameterError(f"kv_cache_memory must be > 0 (bytes or a fraction), got {self.kv_cache_memory}")
+
+    def budget_bytes(self, device: torch.device) -> int:
+        if self.kv_cache_memory > 1:
+            return int(self.kv_cache_memory)
+        return int(self.kv_cache_memory * free_memory(device))
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int | None]]:
+    """KV group of each layer and the sliding window of each group.
+
+    Layers of one attention type share block tables: a model with only global (or only
+    sliding-window) layers has one group; Gemma 3 has two, global (0) and sliding (1), so the
+    sliding layers can drop blocks that fell out of their window.
+    """
+    types = [cfg.layer_type(i) for i in range(cfg.num_layers)]
+    kinds = sorted(set(types), key=lambda t: t != "full")  # 'full' first when present
+    windows = [cfg.sliding_window if kind == "sliding" else None for kind in kinds]
+    return [kinds.index(t) for t in types], windows

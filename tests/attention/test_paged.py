@@ -14,7 +14,8 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.paged import PagedAttentionBackend, PagedAttentionMetadata, PagedKVCache
 
 D = 16
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
 
 
 @pytest.fixture(autouse=True)

@@ -52,12 +52,18 @@ class EngineConfig:
 
 @dataclass
 class StepStats:
-    """What one step did, for metrics."""
+    """What one step did, for metrics and benchmarks."""
 
-    num_seqs: int
+    num_running: int
+    """Sequences holding KV after the step."""
+    num_waiting: int
+    num_scheduled: int
     num_batched_tokens: int
     num_sampled: int
-    kv_free_blocks: int
+    kv_used_blocks: int
+    """Blocks held by sequences, all KV groups together."""
+    kv_tokens: int
+    """Tokens whose KV the running sequences hold (so kv_used_blocks * block_size - kv_tokens slots are idle)."""
     kv_usage: float
     prefix_hit_tokens: int
     num_preempted: int
@@ -178,10 +184,12 @@ class LLMEngine:
             self._fail(seq, changed)
         if plan.scheduled:
             self._run(plan.scheduled, changed)
+        running = self.scheduler.running
         self.stats.append(StepStats(
-            len(plan.scheduled), plan.num_batched_tokens, sum(s.completes for s in plan.scheduled),
-            self.kv.num_free_blocks, self.kv.usage, plan.prefix_hit_tokens, len(plan.preempted),
-            time.perf_counter() - start))
+            len(running), self.scheduler.num_waiting, len(plan.scheduled), plan.num_batched_tokens,
+            sum(s.completes for s in plan.scheduled), self.num_used_blocks,
+            sum(s.num_computed_tokens for s in running), self.kv.usage, plan.prefix_hit_tokens,
+            len(plan.preempted), time.perf_counter() - start))
         return [self._report(request) for request in changed.values()]
 
     def _run(self, scheduled: list[ScheduledSequence], changed: dict[str, Request]) -> None:

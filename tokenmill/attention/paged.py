@@ -30,7 +30,24 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.backend import attention_mask
+
+
+def attention_mask(q_len: int, ctx_len: int, first_key: int, window: int | None,
+                   device: torch.device) -> torch.Tensor | None:
+    """Boolean [q_len, ctx_len - first_key] mask (True = attend) for new tokens at the end of the context.
+
+    Query i sits at position ``ctx_len - q_len + i``; keys cover positions ``first_key .. ctx_len - 1``.
+    A query sees key p when ``p <= its position`` and, on sliding-window layers, ``its position - p < window``.
+    Returns None when every query may see every key (one decode token whose window covers the keys).
+    """
+    if q_len == 1 and (window is None or ctx_len - first_key <= window):
+        return None
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(first_key, ctx_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= (q_pos - k_pos) < window
+    return mask
 
 
 @dataclass
@@ -142,7 +159,7 @@ class _Plan:
 
 @dataclass
 class PagedAttentionMetadata:
-    """One step over a paged cache: the flat batch of ``AttentionMetadata`` plus, per KV group,
+    """One step over a paged cache: the flat batch of new tokens plus, per KV group,
     the block tables and the slot of every new token.
 
     The parts of the attention that depend only on the step (which blocks to gather, masks)

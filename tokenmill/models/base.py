@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, KVCache
-from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.paged import PagedAttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.models.layers import RMSNorm, Rotary
 
@@ -45,7 +45,7 @@ class CausalLM(nn.Module):
         return self.embed(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: PagedAttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope_global = self.rotary_global(positions, h.dtype)
         rope_local = self.rotary_local(positions, h.dtype) if self.config.rope_local_theta else rope_global

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.paged import PagedAttentionMetadata, PagedLayer
 from tokenmill.config import ModelConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.models.layers import Attention, GatedMLP, RMSNorm
@@ -30,7 +30,7 @@ class Gemma3Block(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                cache: PagedLayer, meta: PagedAttentionMetadata) -> torch.Tensor:
         x = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope, cache, meta))
         return x + self.post_ffn_norm(self.mlp(self.ffn_norm(x)))
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.paged import PagedAttentionMetadata, PagedLayer
 from tokenmill.config import ModelConfig, RopeScaling
 
 
@@ -110,7 +110,7 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                cache: PagedLayer, meta: PagedAttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(-1, self.n_heads, self.head_dim)
         k = k.view(-1, self.n_kv_heads, self.head_dim)

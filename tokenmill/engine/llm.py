@@ -17,6 +17,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.loading.model_loader import load_model
 from tokenmill.loading.sources import default_cache_dir, resolve_model
 from tokenmill.engine.scheduler import SchedulerConfig
+from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -29,6 +30,10 @@ class LLM:
     ``model``: a known name (default ``smollm2-135m-instruct``), a GGUF file, an HF checkpoint
     directory or an HF hub repo id. ``dtype``: auto (float32 on CPU, bfloat16 on CUDA), float32,
     bfloat16 or float16 (CUDA). ``device``: auto, cpu or cuda.
+
+    Engine: ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per step (see
+    SchedulerConfig), a paged KV pool of ``block_size``-token blocks sized by ``kv_cache_memory``
+    (bytes, or a fraction of free memory; see CacheConfig), prefix caching on by default.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
@@ -51,14 +56,20 @@ class LLM:
         self.engine = LLMEngine(loaded, self.device, config)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams
-                 | Sequence[SamplingParams] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order."""
+                 | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order.
+
+        ``priority``: one per prompt, lower first (used with ``policy="priority"``)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InvalidParameterError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, sp).request_id)
+            for prompt, sp, rank in zip(prompts, params, priorities):
+                ids.append(self.engine.add_request(prompt, sp, priority=rank).request_id)
         except Exception:
             for request_id in ids:  # a bad prompt rejects the whole call; nothing stays queued
                 self.engine.abort(request_id)
@@ -116,7 +127,5 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         return [params or SamplingParams()] * n
     params = list(params)
     if len(params) != n:
-        from tokenmill.errors import InvalidParameterError
-
         raise InvalidParameterError(f"got {len(params)} SamplingParams for {n} prompts")
     return params

@@ -204,15 +204,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenmill.loading.model_loader import build_model, open_hf  # noqa: E402
 
-COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False),
-    "gemma3": lambda: transformers.Gemma3TextConfig(
-        **{**COMMON, "num_hidden_layers": 4, "num_key_value_heads": 1}, head_dim=32, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        query_pre_attn_scalar=24),
-}
+from tests.models.test_parity_tiny import CONFIGS  # noqa: E402  (the same tiny models)
 
 
 class ConsecutiveBlocks:

@@ -54,7 +54,6 @@ class Sequence:
     cache_salt: str | None = None
     """Mixed into prefix-cache hashes: requests with different salts never share cached blocks."""
     num_computed_tokens: int = 0
-    cache_slot: int | None = None
     text: str = ""
     """Output text, cut at a matched stop string."""
     stop_reason: str | int | None = None

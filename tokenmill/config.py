@@ -7,7 +7,7 @@ checks its values on construction.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import InvalidParameterError

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 
 from tokenmill.engine.request import Sequence, SequenceStatus
 from tokenmill.engine.sampler import SamplingState

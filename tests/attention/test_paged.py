@@ -13,6 +13,8 @@ from tokenmill.attention.paged import PagedAttentionBackend, PagedAttentionMetad
 D = 16
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
+# CPU: tokenmill's paged-decode kernel for one-token sequences, or the PyTorch (SDPA) path
+PATHS = ["cpu-kernel", "cpu-torch", pytest.param("cuda", marks=NO_CUDA)]
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +85,11 @@ def reference(batch, ks, vs, qs, scale: float, window: int | None) -> torch.Tens
 
 
 def run_paged(batch, ks, vs, qs, block_size: int, window: int | None, shuffled: bool, dtype, device="cpu"):
-    """Write each sequence's history into a paged cache, run one step; (output on CPU, cache, metadata)."""
+    """Write each sequence's history into a paged cache, run one step; (output on CPU, cache, metadata).
+
+    ``device``: a device, or a PATHS entry (cpu-kernel / cpu-torch choose the CPU decode path)."""
+    use_kernel = {"cpu-kernel": True, "cpu-torch": False}.get(device)
+    device = "cpu" if use_kernel is not None else device
     kv_heads = ks[0].shape[1]
     ks, vs, qs = ([t.to(device) for t in ts] for ts in (ks, vs, qs))
     tables, num_blocks = make_tables(batch, block_size, window, shuffled)
@@ -97,7 +103,7 @@ def run_paged(batch, ks, vs, qs, block_size: int, window: int | None, shuffled: 
     meta = PagedAttentionMetadata.build([n for _, n in batch], [d + n for d, n in batch], [tables], block_size, device)
     new_k = torch.cat([k[d:] for (d, _), k in zip(batch, ks)])
     new_v = torch.cat([v[d:] for (d, _), v in zip(batch, vs)])
-    out = PagedAttentionBackend().forward(torch.cat(qs), new_k, new_v, layer, meta, D ** -0.5, window)
+    out = PagedAttentionBackend(use_kernel).forward(torch.cat(qs), new_k, new_v, layer, meta, D ** -0.5, window)
     assert out.device == new_k.device
     return out.cpu(), cache, meta
 
@@ -106,7 +112,7 @@ def run_paged(batch, ks, vs, qs, block_size: int, window: int | None, shuffled: 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [None, 4, 11], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("batch", sorted(BATCHES))
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", PATHS)
 def test_float32_matches_reference(device, batch, window, block_size, heads, kv_heads):
     batch = BATCHES[batch]
     ks, vs, qs = random_history(batch, heads, kv_heads, torch.float32)
@@ -119,7 +125,7 @@ def test_float32_matches_reference(device, batch, window, block_size, heads, kv_
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (6, 1)], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("window", [None, 11], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("batch", ["ragged", "decodes", "long-decodes"])
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", PATHS)
 def test_bfloat16_matches_reference(device, batch, window, heads, kv_heads):
     batch = BATCHES[batch]
     ks, vs, qs = random_history(batch, heads, kv_heads, torch.bfloat16)
@@ -283,3 +289,16 @@ def test_tiny_model_logits_match_hf_through_paged_cache(device, name, tmp_path):
         got = paged_logits(ours, prompts, chunks, block_size, reverse, device)
         for g_, e in zip(got, expected):
             assert (g_ - e).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_decode_does_not_depend_on_the_batch(dtype):
+    """A one-token sequence gets bit-identical attention alone or among others (batch invariance)."""
+    ks, vs, qs = random_history(LONG_DECODES, 6, 2, dtype)
+    together, _, meta = run_paged(LONG_DECODES, ks, vs, qs, 4, None, True, dtype, "cpu-kernel")
+    for i, seq in enumerate(LONG_DECODES):
+        if seq[1] != 1:
+            continue
+        alone, _, _ = run_paged([seq], [ks[i]], [vs[i]], [qs[i]], 4, None, True, dtype, "cpu-kernel")
+        row = meta.query_start_loc[i]
+        assert torch.equal(alone[0], together[row])

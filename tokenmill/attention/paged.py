@@ -152,9 +152,37 @@ first and last + 1 of its keys within those blocks' tokens)."""
 
 
 @dataclass
+class _KernelDecodes:
+    """Every one-token sequence of a step, as the CPU paged-decode kernel takes them."""
+
+    rows: torch.Tensor | None
+    """Their rows in the flat batch; None when they are all the rows, in order."""
+    block_tables: torch.Tensor
+    """int32 [num_seqs, max_blocks]: blocks from each sequence's first visible key, null-padded."""
+    key_start: torch.Tensor
+    """int32 [num_seqs]: first and last + 1 of each sequence's keys within its blocks' tokens."""
+    key_end: torch.Tensor
+
+
+@dataclass
 class _Plan:
     decodes: list[_DecodeBatch]
     prefills: list[_SeqAttention]
+    decode_seqs: list[_Decode] = field(default_factory=list)
+    """The one-token sequences, by row, before batching (the kernel path takes them all at once)."""
+    all_rows_decode: bool = False
+    _kernel: _KernelDecodes | None = field(default=None, repr=False)
+
+    def kernel_decodes(self) -> _KernelDecodes:
+        if self._kernel is None:
+            seqs = self.decode_seqs
+            width = max(len(blocks) for _, blocks, _, _ in seqs)
+            tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, blocks, _, _ in seqs],
+                                  dtype=torch.int32)
+            rows = None if self.all_rows_decode else torch.tensor([row for row, _, _, _ in seqs])
+            self._kernel = _KernelDecodes(rows, tables, torch.tensor([lo for _, _, lo, _ in seqs], dtype=torch.int32),
+                                          torch.tensor([hi for _, _, _, hi in seqs], dtype=torch.int32))
+        return self._kernel
 
 
 @dataclass
@@ -239,9 +267,10 @@ class PagedAttentionMetadata:
             mask = attention_mask(end - start, ctx, first_key, window, self.device)
             prefills.append(_SeqAttention(start, end, self._slots(blocks, lo, hi), mask, False))
         batches = [self._decode_batch(b) for b in _buckets(decodes, bs)]
-        if len(batches) == 1 and len(decodes) == self.query_start_loc[-1]:
+        all_rows = len(decodes) == self.query_start_loc[-1]
+        if len(batches) == 1 and all_rows:
             batches[0].rows = None  # every row is a decode, in order: the output needs no scatter
-        return _Plan(batches, prefills)
+        return _Plan(batches, prefills, decodes, all_rows)
 
     def _decode_batch(self, seqs: list[_Decode]) -> _DecodeBatch:
         rows = torch.tensor([row for row, _, _, _ in seqs], device=self.device)
@@ -290,7 +319,8 @@ def _buckets(decodes: list[_Decode], block_size: int) -> list[list[_Decode]]:
 
 
 class PagedAttentionBackend:
-    """Attention over a ``PagedKVCache`` with ``scaled_dot_product_attention`` (CPU and CUDA).
+    """Attention over a ``PagedKVCache`` with ``scaled_dot_product_attention`` (CPU and CUDA),
+    and on CPU tokenmill's paged-decode kernel for one-token sequences when it is built.
 
     Every new key/value is written with one ``index_copy_`` into the slot view of the pool, and
     keys are read back by slot (a view of a slot range when a sequence's block ids are
@@ -298,7 +328,29 @@ class PagedAttentionBackend:
     batches of similar length: their keys gathered and padded to the longest, the query heads
     of one KV head folded into the query length (GQA without repeating keys), one SDPA call
     per batch. Prefill chunks go one SDPA call per sequence.
+
+    On CPU, one-token sequences instead go to ``tokenmill/kernels/cpu/paged_attention.cpp``
+    (``use_cpu_kernel``, default: when it builds): it reads keys and values in place from the
+    blocks, all sequences in one call, without the gather copy and the padding.
     """
+
+    def __init__(self, use_cpu_kernel: bool | None = None) -> None:
+        self.use_cpu_kernel = use_cpu_kernel
+        self._kernels = None
+
+    def _cpu_kernels(self, q: torch.Tensor):
+        """The compiled CPU kernels when they apply to this call, else None."""
+        if q.device.type != "cpu" or self.use_cpu_kernel is False or q.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if self._kernels is None:
+            from tokenmill.kernels import cpu_ops
+
+            self._kernels = cpu_ops.load() or False
+            if self.use_cpu_kernel and not self._kernels:
+                raise RuntimeError("use_cpu_kernel=True but the CPU kernels could not be built (see the log)")
+        if not self._kernels or not self._kernels.supports_head_dim(q.shape[-1]):
+            return None
+        return self._kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedLayer,
                 meta: PagedAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
@@ -306,11 +358,22 @@ class PagedAttentionBackend:
         cache.key_slots.index_copy_(0, slots, k)
         cache.value_slots.index_copy_(0, slots, v)
         plan = meta.plan(cache.group, sliding_window)
-        if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
+        kernels = self._cpu_kernels(q) if plan.decode_seqs else None
+        if kernels is not None:
+            d = plan.kernel_decodes()
+            qd = q if d.rows is None else q.index_select(0, d.rows)
+            o = kernels.paged_decode_attention(qd.contiguous(), cache.keys, cache.values, d.block_tables,
+                                               d.key_start, d.key_end, scale)
+            if d.rows is None:
+                return o
+            out = torch.empty_like(q)
+            out.index_copy_(0, d.rows, o)
+        elif len(plan.decodes) == 1 and plan.decodes[0].rows is None:
             return self._decodes(q, cache, plan.decodes[0], scale)
-        out = torch.empty_like(q)
-        for d in plan.decodes:
-            out.index_copy_(0, d.rows, self._decodes(q.index_select(0, d.rows), cache, d, scale))
+        else:
+            out = torch.empty_like(q)
+            for d in plan.decodes:
+                out.index_copy_(0, d.rows, self._decodes(q.index_select(0, d.rows), cache, d, scale))
         gqa = q.shape[1] != k.shape[1]
         for s in plan.prefills:
             if s.slots is None:

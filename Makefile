@@ -17,7 +17,7 @@ test: install
 	$(PY) -m pytest -q
 
 run: install
-	$(VENV)/bin/tokenmill generate --chat --max-tokens 96 "Explain in two sentences why the sky is blue."
+	$(VENV)/bin/tokenmill serve
 
 bench: install
 	$(PY) bench/decode_prefill.py

@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from tokenmill.benchmark.commands import add_bench_parser, cmd_bench
 from tokenmill.errors import TokenmillError
 
 
@@ -44,7 +45,32 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(chat)
     _sampling_args(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="system prompt")
+    add_bench_parser(sub)
+    _serve_parser(sub)
     return parser
+
+
+def _serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                       help="model to serve (same as --model; default: smollm2-135m-instruct)")
+    _model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="name clients pass as 'model'")
+    serve.add_argument("--api-keys", default=None, metavar="FILE",
+                       help="JSON file of tenants with sha256-hashed keys and limits (enables auth)")
+    serve.add_argument("--isolate-tenant-cache", action="store_true",
+                       help="tenants never share prefix-cache blocks")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences the engine runs at once")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    serve.add_argument("--kv-cache-memory", type=float, default=0.1,
+                       help="KV cache size: bytes, or a fraction of free memory when < 1")
+    serve.add_argument("--max-queued-requests", type=int, default=256, help="queue bound before 429")
+    serve.add_argument("--max-queued-tokens", type=int, default=262_144, help="queued prompt tokens before 429")
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline, seconds")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+    serve.add_argument("--seed", type=int, default=None, help="seed of requests without their own")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -95,7 +121,29 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from tokenmill.engine.llm import LLM
+    from tokenmill.server.config import ServerConfig
+    from tokenmill.server.serve import serve
+
+    if args.model_pos and args.model and args.model_pos != args.model:
+        raise TokenmillError(f"two models given: {args.model_pos!r} and --model {args.model!r}")
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          api_keys_file=args.api_keys, max_queued_requests=args.max_queued_requests,
+                          max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
+                          isolate_tenant_prefix_cache=args.isolate_tenant_cache, drain_timeout=args.drain_timeout)
+    kv = int(args.kv_cache_memory) if args.kv_cache_memory >= 1 else args.kv_cache_memory
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    llm = LLM(args.model_pos or args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              seed=args.seed, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=kv, policy="priority")
+    serve(llm, config)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -54,6 +54,8 @@ class Sequence:
     cache_salt: str | None = None
     """Mixed into prefix-cache hashes: requests with different salts never share cached blocks."""
     num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache when first scheduled; -1 until then."""
     text: str = ""
     """Output text, cut at a matched stop string."""
     stop_reason: str | int | None = None

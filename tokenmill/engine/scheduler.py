@@ -190,6 +190,8 @@ class Scheduler:
                 return
             heapq.heappop(self._waiting)
             seq.status = SequenceStatus.RUNNING
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = hit
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             out.prefix_hit_tokens += hit

@@ -1,0 +1,56 @@
+"""The offline benchmark on a tiny random Llama: exact token counts, per-request latencies and
+step-level MBU / MFU that follow from the model's cost and the given ceilings."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM
+from tokenmill.benchmark.hardware import HardwareCeilings, ModelCost
+from tokenmill.benchmark.offline import (
+    OfflineConfig,
+    format_offline,
+    plot_offline_roofline,
+    run_offline,
+)
+
+CEILINGS = HardwareCeilings("cpu:test", 1e10, 1e10, 5e9, {"float32": 5e10, "bfloat16": 2e10}, "now")
+
+
+@pytest.fixture(scope="module")
+def result(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory=4 << 20)
+    return run_offline(llm, OfflineConfig(num_requests=6, input_len="20:60", output_len="5:9", seed=3), CEILINGS,
+                       progress=False), ModelCost.of(llm.engine.runner.model)
+
+
+def test_every_request_generates_exactly_its_output_length(result) -> None:
+    data, _ = result
+    s = data["summary"]
+    assert s["requests"] == 6
+    assert 6 * 5 <= s["total_output_tokens"] <= 6 * 9 and 6 * 20 <= s["total_input_tokens"] <= 6 * 60
+    assert s["output_tok_s"] == pytest.approx(s["total_output_tokens"] / s["duration_s"])
+    assert s["ttft"]["count"] == 6 and s["tpot"]["count"] == 6 and s["e2el"]["count"] == 6
+    assert s["ttft"]["median"] < s["e2el"]["median"]
+
+
+def test_step_utilization_follows_the_cost_model(result) -> None:
+    data, cost = result
+    s = data["summary"]
+    assert s["num_decode_steps"] > 0 and s["num_steps"] > s["num_decode_steps"]
+    assert 1 <= s["mean_decode_batch"] <= 4  # max_num_seqs
+    assert s["mbu"] > 0 and s["mfu"] > 0 and s["mfu_prefill"] > 0
+    (_, decode_ai, decode_flops), (_, prefill_ai, _) = data["roofline"]
+    # a decode step reads all weights for a handful of tokens; a prefill step computes many tokens
+    assert decode_ai < prefill_ai
+    assert decode_ai < 2 * cost.matmul_params * 4 / cost.weight_bytes
+    assert decode_flops / decode_ai / CEILINGS.memory_bandwidth == pytest.approx(s["mbu"])
+    assert data["model"]["weight_bytes"] == cost.weight_bytes
+
+
+def test_table_and_roofline(result, tmp_path) -> None:
+    data, _ = result
+    text = format_offline(data)
+    assert "MBU (decode steps)" in text and "Output token throughput" in text
+    png = plot_offline_roofline(data, tmp_path / "roof.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,110 @@
+"""AsyncEngine: the engine thread survives a bad request and a failing step, enforces deadlines,
+and every request that ends (finished, failed, expired, aborted) leaves no KV block behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tokenmill import SamplingParams
+from tokenmill.server.async_engine import AsyncEngine, EngineUpdate
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+async def last_update(queue: asyncio.Queue) -> EngineUpdate:
+    while True:
+        update = await asyncio.wait_for(queue.get(), 30)
+        if update.finished:
+            return update
+
+
+def run(engine: AsyncEngine, scenario) -> None:
+    async def main() -> None:
+        engine.start()
+        try:
+            await scenario()
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+    assert engine.engine.num_used_blocks == 0 and not engine.engine.has_unfinished_requests()
+
+
+def test_bad_request_and_deadline_do_not_stop_the_loop(tiny_llm) -> None:
+    snapshots = []
+    engine = AsyncEngine(tiny_llm.engine, on_snapshot=snapshots.append)
+    far = time.monotonic() + 60
+
+    async def scenario() -> None:
+        bad, good, late = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
+        engine.add("bad", [1, 2, 10**6], GREEDY, bad, far)
+        engine.add("late", [5, 6, 7], SamplingParams(max_tokens=240, ignore_eos=True), late,
+                   time.monotonic() + 0.02)
+        engine.add("good", [1, 2, 3], GREEDY, good, far)
+        failed = await last_update(bad)
+        assert failed.error == "invalid" and "vocabulary" in failed.message
+        done = await last_update(good)
+        assert done.error is None and len(done.output.outputs[0].token_ids) == 6
+        assert done.first_token_time >= done.arrival_time and done.scheduled_time is not None
+        expired = await last_update(late)
+        assert expired.error == "deadline" and len(expired.output.outputs[0].token_ids) < 240
+
+    run(engine, scenario)
+    assert snapshots[-1].num_running == 0 and snapshots[-1].num_used_blocks == 0
+
+
+def test_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_llm, monkeypatch) -> None:
+    engine = AsyncEngine(tiny_llm.engine)
+    far = time.monotonic() + 60
+    real_step = tiny_llm.engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    monkeypatch.setattr(tiny_llm.engine, "step", flaky_step)
+
+    async def scenario() -> None:
+        first, second = asyncio.Queue(), asyncio.Queue()
+        engine.add("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), first, far)
+        failed = await last_update(first)
+        assert failed.error == "engine" and "injected failure" in failed.message
+        engine.add("b", [1, 2, 3], GREEDY, second, far)
+        assert (await last_update(second)).error is None
+
+    run(engine, scenario)
+
+
+def test_abort_frees_blocks_before_the_next_step(tiny_llm) -> None:
+    engine = AsyncEngine(tiny_llm.engine)
+
+    async def scenario() -> None:
+        queue = asyncio.Queue()
+        engine.add("x", list(range(1, 100)), SamplingParams(max_tokens=150, ignore_eos=True), queue,
+                   time.monotonic() + 60)
+        await asyncio.wait_for(queue.get(), 30)  # it is running and holds blocks
+        engine.abort("x")
+        for _ in range(200):
+            if engine.snapshot.num_used_blocks == 0:
+                break
+            await asyncio.sleep(0.005)
+        assert engine.snapshot.num_used_blocks == 0
+
+    run(engine, scenario)
+
+
+def test_n_samples_arrive_together(tiny_llm) -> None:
+    n = 2
+    engine = AsyncEngine(tiny_llm.engine)
+
+    async def scenario() -> None:
+        queue = asyncio.Queue()
+        engine.add("n", [1, 2, 3], SamplingParams(max_tokens=4, n=n, seed=3), queue, time.monotonic() + 60)
+        done = await last_update(queue)
+        assert [o.index for o in done.output.outputs] == list(range(n))
+
+    run(engine, scenario)

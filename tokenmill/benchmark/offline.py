@@ -1,0 +1,173 @@
+"""``tokenmill bench offline``: the engine alone, no HTTP: throughput, latency, MBU and MFU.
+
+All requests (random token-id prompts of the drawn lengths, EOS ignored so each generates exactly
+its output length) are added at once and the engine is stepped until they finish. Per request:
+TTFT (first output token), TPOT and E2E from the time they were added. Per step, from the
+engine's ``StepStats``: its wall time and, against this machine's ceilings (hardware.py),
+
+    decode steps (every scheduled sequence computes one token):
+        MBU = (weight bytes + KV bytes of the tokens held) / step time / memory bandwidth
+    all steps:
+        MFU = 2 * matmul parameters * batched tokens / step time / peak matmul FLOP/s (model dtype)
+
+reported as aggregates (total bytes or FLOPs over total time of those steps), with a roofline
+plot of the decode and prefill steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from tokenmill.benchmark.hardware import HardwareCeilings, ModelCost, plot_roofline
+from tokenmill.benchmark.metrics import Distribution
+from tokenmill.benchmark.report import fmt, table
+from tokenmill.benchmark.workloads import LengthDist
+from tokenmill.sampling_params import SamplingParams
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class OfflineConfig:
+    num_requests: int = 64
+    input_len: str = "256"
+    output_len: str = "128"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One engine step, priced: what it read and computed in how long."""
+
+    seconds: float
+    tokens: int
+    decode_only: bool
+    bytes_read: int
+    flops: int
+
+
+def random_token_prompts(llm, num: int, input_len: LengthDist, output_len: LengthDist,
+                         seed: int) -> list[tuple[list[int], int]]:
+    tok = llm.tokenizer
+    rng = np.random.default_rng(seed)
+    candidates = np.array([i for i in range(llm.model_config.vocab_size) if not tok.is_special(i)])
+    ins, outs = input_len.sample(rng, num), output_len.sample(rng, num)
+    return [(rng.choice(candidates, size=i).tolist(), o) for i, o in zip(ins, outs)]
+
+
+def run_offline(llm, config: OfflineConfig, ceilings: HardwareCeilings, progress: bool = True) -> dict:
+    """Run the workload through ``llm.engine`` and return the result (JSON-ready dict)."""
+    prompts = random_token_prompts(llm, config.num_requests, LengthDist.parse(config.input_len),
+                                   LengthDist.parse(config.output_len), config.seed)
+    engine, cost = llm.engine, ModelCost.of(llm.engine.runner.model)
+    _drain(engine, [(prompts[0][0][:8], 2)])  # warm-up: first-call allocations stay out of the figures
+    steps, added, first, done = [], {}, {}, {}
+    start = time.perf_counter()
+    for ids, out in prompts:
+        request = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+        added[request.request_id] = (time.perf_counter(), len(ids), out)
+    with tqdm(total=len(prompts), desc="offline", unit="req", disable=not progress) as bar:
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            stats = engine.stats[-1]
+            decode_only = stats.num_batched_tokens == stats.num_scheduled and stats.num_sampled == stats.num_scheduled
+            steps.append(StepCost(stats.seconds, stats.num_batched_tokens, decode_only,
+                                  cost.bytes_read(stats.kv_tokens), cost.flops(stats.num_batched_tokens)))
+            for out in outputs:
+                if out.outputs[0].token_ids and out.request_id not in first:
+                    first[out.request_id] = now
+                if out.finished:
+                    done[out.request_id] = now
+                    bar.update(1)
+    duration = time.perf_counter() - start
+    return _result(llm, config, cost, ceilings, steps, added, first, done, duration)
+
+
+def _drain(engine, prompts: list[tuple[list[int], int]]) -> None:
+    for ids, out in prompts:
+        engine.add_request(ids, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _result(llm, config: OfflineConfig, cost: ModelCost, ceilings: HardwareCeilings, steps: list[StepCost],
+            added: dict, first: dict, done: dict, duration: float) -> dict:
+    ttft, tpot, e2el = [], [], []
+    for rid, (t0, _, out) in added.items():
+        ttft.append(first[rid] - t0)
+        e2el.append(done[rid] - t0)
+        if out > 1:
+            tpot.append((done[rid] - first[rid]) / (out - 1))
+    inputs = sum(n for _, n, _ in added.values())
+    outputs = sum(o for _, _, o in added.values())
+    decode = [s for s in steps if s.decode_only and s.tokens]
+    prefill = [s for s in steps if not s.decode_only and s.tokens]
+    dtype = str(llm.dtype).removeprefix("torch.")
+    peak, bw = ceilings.peak_flops(dtype), ceilings.memory_bandwidth
+    summary = {
+        "duration_s": duration, "requests": len(added), "total_input_tokens": inputs, "total_output_tokens": outputs,
+        "requests_per_s": len(added) / duration, "output_tok_s": outputs / duration,
+        "total_tok_s": (inputs + outputs) / duration,
+        "ttft": asdict(Distribution.of(ttft, PERCENTILES)), "tpot": asdict(Distribution.of(tpot, PERCENTILES)),
+        "e2el": asdict(Distribution.of(e2el, PERCENTILES)),
+        "decode_step": asdict(Distribution.of([s.seconds for s in decode], PERCENTILES)),
+        "prefill_step": asdict(Distribution.of([s.seconds for s in prefill], PERCENTILES)),
+        "num_steps": len(steps), "num_decode_steps": len(decode),
+        "mean_decode_batch": float(np.mean([s.tokens for s in decode])) if decode else None,
+        "mbu": _rate(decode, "bytes_read") / bw if decode else None,
+        "mfu": _rate(steps, "flops") / peak if steps else None,
+        "mfu_prefill": _rate(prefill, "flops") / peak if prefill else None,
+    }
+    return {"kind": "offline", "model": {"name": llm.model_name, "dtype": dtype, "device": str(llm.device),
+                                         **asdict(cost)},
+            "config": asdict(config), "hardware": asdict(ceilings), "summary": summary,
+            "roofline": _roofline_points(decode, prefill)}
+
+
+def _rate(steps: list[StepCost], attr: str) -> float:
+    """Total bytes or FLOPs of the steps over their total time."""
+    return sum(getattr(s, attr) for s in steps) / sum(s.seconds for s in steps)
+
+
+def _roofline_points(decode: list[StepCost], prefill: list[StepCost]) -> list[tuple[str, float, float]]:
+    points = []
+    for label, group in (("decode", decode), ("prefill", prefill)):
+        if group:
+            flops, nbytes = sum(s.flops for s in group), sum(s.bytes_read for s in group)
+            points.append((label, flops / nbytes, flops / sum(s.seconds for s in group)))
+    return points
+
+
+def plot_offline_roofline(result: dict, path: str | Path) -> Path:
+    return plot_roofline(HardwareCeilings(**result["hardware"]), [tuple(p) for p in result["roofline"]], path,
+                         f"{result['model']['name']} ({result['model']['dtype']}) on {result['hardware']['device']}")
+
+
+def format_offline(result: dict) -> str:
+    s, m, hw = result["summary"], result["model"], result["hardware"]
+
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    rows = [("Model", f"{m['name']} ({m['dtype']}, {m['device']})"),
+            ("Requests", str(s["requests"])), ("Duration (s)", fmt(s["duration_s"])),
+            ("Request throughput (req/s)", fmt(s["requests_per_s"])),
+            ("Output token throughput (tok/s)", fmt(s["output_tok_s"])),
+            ("Total token throughput (tok/s)", fmt(s["total_tok_s"])),
+            ("TTFT median / p99 (ms)", f"{fmt(s['ttft']['median'])} / {fmt(s['ttft']['percentiles']['p99'])}"),
+            ("TPOT median / p99 (ms)", f"{fmt(s['tpot']['median'])} / {fmt(s['tpot']['percentiles']['p99'])}"),
+            ("Decode step median / p99 (ms)",
+             f"{fmt(s['decode_step']['median'])} / {fmt(s['decode_step']['percentiles']['p99'])}"),
+            ("Mean decode batch (seqs)", fmt(s["mean_decode_batch"], 1)),
+            ("Weights read per step (MiB)", fmt(m["weight_bytes"] / 2**20, 1)),
+            ("Memory bandwidth (GB/s)", fmt(hw["memory_bandwidth"] / 1e9, 1)),
+            (f"Peak matmul {m['dtype']} (GFLOP/s)", fmt(hw["matmul_flops"][m["dtype"]] / 1e9, 1)),
+            ("MBU (decode steps)", pct(s["mbu"])), ("MFU (all steps)", pct(s["mfu"])),
+            ("MFU (prefill steps)", pct(s["mfu_prefill"]))]
+    return table(rows, " Offline Benchmark Result ")

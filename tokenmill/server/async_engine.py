@@ -1,0 +1,216 @@
+"""AsyncEngine: an LLMEngine stepping in its own thread, streaming to asyncio handlers.
+
+::
+
+    event loop (handlers)                         engine thread
+    ─────────────────────                         ─────────────
+    add(...)   ──► commands (lock) ──notify──►    wake; apply adds / aborts
+    abort(id)  ──►                                expire deadlines
+                                                  step() if anything is unfinished
+    queue.get() ◄── loop.call_soon_threadsafe ◄── one EngineUpdate per changed request
+                                                  snapshot for metrics; sleep on the
+                                                  condition when idle (no busy spin)
+
+Only the engine thread touches the LLMEngine. A request whose ``add_request`` raises gets
+an error update (the loop goes on); a failing ``step`` fails the requests it held (they are
+aborted, their blocks freed) and the loop goes on. An abort takes effect before the next
+step, so an aborted request's KV blocks are free within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request import Request, SequenceStatus
+from tokenmill.errors import TokenmillError
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill.server")
+
+
+@dataclass
+class EngineUpdate:
+    """A request's state after a step (or its error), as the handler sees it."""
+
+    request_id: str
+    output: RequestOutput | None
+    """Text held back where a stop string may still start while running; None on error before start."""
+    finished: bool
+    arrival_time: float = 0.0
+    scheduled_time: float | None = None
+    """When the engine first scheduled it (end of its time in the engine's waiting queue)."""
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    error: str | None = None
+    """Why it ended without finishing: 'deadline', 'invalid' (bad input), 'engine' or 'shutdown'."""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state after the latest loop iteration; counters are cumulative."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    sink: Callable[[EngineUpdate], None]
+    deadline: float
+    scheduled_time: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_snapshot: Callable[[EngineSnapshot], None] | None = None) -> None:
+        self.engine = engine
+        self.on_snapshot = on_snapshot
+        self.snapshot = EngineSnapshot()
+        self._commands: list[Callable[[], None]] = []
+        self._cond = threading.Condition()
+        self._tracked: dict[str, _Tracked] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+
+    # ---- event-loop side ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
+            deadline: float, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Queue a request; its updates go to ``queue`` (put from the engine thread, thread-safely)."""
+        loop = asyncio.get_running_loop()
+
+        def sink(update: EngineUpdate) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, update)
+
+        self._submit(lambda: self._add(request_id, prompt_ids, params, priority, cache_salt, deadline, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id))
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._commands and not self.engine.has_unfinished_requests() and not self._stopping:
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            for command in commands:
+                command()
+            if stopping:
+                self._fail_all("shutdown", "the server is shutting down")
+                self._publish_snapshot()
+                return
+            self._expire_deadlines()
+            if self.engine.has_unfinished_requests():
+                self._step()
+            elif self._tracked:  # cannot happen by the engine's contract; never leave a handler hanging
+                self._fail_all("engine", "the engine dropped the request")
+            self._publish_snapshot()
+
+    def _add(self, request_id, prompt_ids, params, priority, cache_salt, deadline, sink) -> None:
+        try:
+            request = self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority,
+                                              cache_salt=cache_salt)
+        except TokenmillError as exc:
+            sink(EngineUpdate(request_id, None, True, error="invalid", message=str(exc)))
+            return
+        except Exception as exc:  # never let one request take the loop down
+            logger.exception("add_request failed for %s", request_id)
+            sink(EngineUpdate(request_id, None, True, error="engine", message=f"{type(exc).__name__}: {exc}"))
+            return
+        self._tracked[request_id] = _Tracked(request, sink, deadline)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._tracked.pop(request_id, None)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, t in self._tracked.items() if t.deadline <= now]:
+            self._finish_with_error(request_id, "deadline", "the request passed its deadline and was aborted")
+
+    def _fail_all(self, error: str, message: str) -> None:
+        for request_id in list(self._tracked):
+            self._finish_with_error(request_id, error, message)
+
+    def _finish_with_error(self, request_id: str, error: str, message: str) -> None:
+        tracked = self._tracked.pop(request_id)
+        self.engine.abort(request_id)
+        tracked.sink(replace(self._update(tracked), finished=True, error=error, message=message))
+
+    def _step(self) -> None:
+        start = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests it held")
+            self._fail_all("engine", f"the engine failed: {type(exc).__name__}: {exc}")
+            return
+        for tracked in self._tracked.values():
+            if tracked.scheduled_time is None and tracked.request.sequences[0].status != SequenceStatus.WAITING:
+                tracked.scheduled_time = start
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            update = self._update(tracked)
+            if update.finished:
+                del self._tracked[out.request_id]
+            tracked.sink(update)
+
+    def _update(self, tracked: _Tracked) -> EngineUpdate:
+        request = tracked.request
+        finished = request.finished
+        output = LLMEngine.make_output(request, streaming=not finished)
+        for o in output.outputs:  # the engine keeps appending to these lists; hand over copies
+            o.logprobs = list(o.logprobs) if o.logprobs is not None else None
+        if output.prompt_logprobs is not None:
+            output.prompt_logprobs = list(output.prompt_logprobs)
+        return EngineUpdate(request.request_id, output, finished, request.arrival_time, tracked.scheduled_time,
+                            request.first_token_time, request.finish_time,
+                            max(request.sequences[0].num_cached_tokens, 0))
+
+    def _publish_snapshot(self) -> None:
+        engine = self.engine
+        prefix = engine.kv.prefix_cache_stats
+        self.snapshot = EngineSnapshot(len(engine.scheduler.running), engine.scheduler.num_waiting,
+                                       engine.num_used_blocks, engine.kv.usage, prefix.queries, prefix.hits,
+                                       engine.scheduler.num_preemptions)
+        if self.on_snapshot is not None:
+            try:
+                self.on_snapshot(self.snapshot)
+            except Exception:
+                logger.exception("snapshot callback failed")

@@ -1,0 +1,134 @@
+"""POST /v1/chat/completions: the model's chat template, then generation as for completions."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.errors import InvalidParameterError
+from tokenmill.server.async_engine import EngineUpdate
+from tokenmill.server.errors import APIError
+from tokenmill.server.generation import (
+    engine_headers,
+    run_to_end,
+    streaming_response,
+    Generation,
+    check_prompt,
+    check_unsupported,
+    new_id,
+    sampling_params,
+    sse,
+    tokenize,
+    usage_of,
+)
+from tokenmill.server.logprobs import TokenText, chat_logprobs
+from tokenmill.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+)
+from tokenmill.server.state import ServerState, authenticate, get_state
+from tokenmill.server.tenancy import TenantConfig
+
+router = APIRouter()
+
+
+async def render_messages(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True
+                          ) -> list[int]:
+    """Token ids of the conversation through the chat template (as LLM.render_chat)."""
+    plain = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
+        plain.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    try:
+        text = state.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except InvalidParameterError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+    return await tokenize(state, text, add_special_tokens=False)
+
+
+def _num_top(body: ChatCompletionRequest) -> int | None:
+    """Engine logprobs for the request: None without logprobs, else top_logprobs (0..20)."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    if not body.logprobs:
+        return None
+    top = body.top_logprobs or 0
+    if not 0 <= top <= 20:
+        raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+    return top
+
+
+class ChatStream:
+    def __init__(self, body: ChatCompletionRequest, tokens: TokenText, num_top: int | None, response_id: str,
+                 created: int, model: str) -> None:
+        self.body, self.tokens, self.num_top = body, tokens, num_top
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        self.sent: dict[int, tuple[int, int]] = {}  # sample index -> (chars, tokens) sent
+        self.closed: set[int] = set()
+
+    def events(self, update: EngineUpdate) -> list[str]:
+        events = []
+        for out in update.output.outputs:
+            if out.index in self.closed:
+                continue
+            chars, ntok = self.sent.get(out.index, (0, 0))
+            delta = out.text[chars:]
+            if not delta and not out.finished:
+                continue
+            first = out.index not in self.sent
+            message = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+            logprobs = None
+            if self.num_top is not None:
+                entries = (out.logprobs or [])[ntok:len(out.token_ids)]
+                logprobs = chat_logprobs(self.tokens, entries, self.num_top).model_dump()
+            choice = {"index": out.index, "delta": message, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            chunk = {**self.head, "choices": [choice]}
+            if self.include_usage:
+                chunk["usage"] = None
+            events.append(sse(chunk))
+            self.sent[out.index] = (len(out.text), len(out.token_ids))
+            if out.finished:
+                self.closed.add(out.index)
+        return events
+
+    def usage_event(self, gen: Generation) -> str:
+        usage = usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+        return sse({**self.head, "choices": [], "usage": usage.model_dump()})
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 tenant: Annotated[TenantConfig, Depends(authenticate)]) -> Response:
+    arrival = time.monotonic()
+    state = get_state(request)
+    state.check_model(body.model)
+    check_unsupported(body)
+    num_top = _num_top(body)
+    ids = await render_messages(state, body.messages, body.add_generation_prompt)
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = check_prompt(state, ids, asked, param="messages")
+    params = sampling_params(body, max_tokens, num_top)
+    gen = Generation(state, request, tenant, [ids], params, body.priority, body.cache_salt, arrival)
+    await gen.start()
+    tokens = TokenText(state.tokenizer)
+    response_id, created = new_id("chatcmpl"), int(time.time())
+    if body.stream:
+        stream = ChatStream(body, tokens, num_top, response_id, created, state.model_name)
+        return await streaming_response(gen, stream, response_id)
+    if not await run_to_end(gen):
+        return Response(status_code=499)
+    update = gen.latest[gen.request_ids[0]]
+    choices = [ChatChoice(index=out.index, message=AssistantMessage(content=out.text),
+                          logprobs=chat_logprobs(tokens, out.logprobs or [], num_top) if num_top is not None else None,
+                          finish_reason=out.finish_reason)
+               for out in update.output.outputs]
+    response = ChatCompletionResponse(id=response_id, created=created, model=state.model_name, choices=choices,
+                                      usage=usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
+    return JSONResponse(response.model_dump(), headers=engine_headers(update, response_id))

@@ -1,0 +1,133 @@
+"""POST /v1/completions: prompts as text, token ids or lists of either; streaming and not."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.server.async_engine import EngineUpdate
+from tokenmill.server.generation import (
+    engine_headers,
+    run_to_end,
+    streaming_response,
+    Generation,
+    check_prompt,
+    check_unsupported,
+    new_id,
+    sampling_params,
+    sse,
+    tokenize,
+    usage_of,
+)
+from tokenmill.server.logprobs import TokenText, completion_logprobs, echo_items, items
+from tokenmill.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
+from tokenmill.server.state import ServerState, authenticate, get_state
+from tokenmill.server.tenancy import TenantConfig
+
+router = APIRouter()
+
+
+async def _prompts(state: ServerState, prompt) -> tuple[list[str | None], list[list[int]]]:
+    """(text or None, token ids) per prompt."""
+    if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    texts, ids = [], []
+    for p in prompt:
+        texts.append(p if isinstance(p, str) else None)
+        ids.append(await tokenize(state, p) if isinstance(p, str) else list(p))
+    return texts, ids
+
+
+class CompletionStream:
+    def __init__(self, gen: Generation, body: CompletionRequest, tokens: TokenText, echo_texts: list[str],
+                 response_id: str, created: int, model: str) -> None:
+        self.gen, self.body, self.tokens, self.echo_texts = gen, body, tokens, echo_texts
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+        self.index_of = {rid: i for i, rid in enumerate(gen.request_ids)}
+        self.sent: dict[tuple[str, int], tuple[int, int]] = {}  # (request, sample) -> (chars, tokens) sent
+        self.closed: set[tuple[str, int]] = set()
+
+    def events(self, update: EngineUpdate) -> list[str]:
+        events = []
+        prompt_index = self.index_of[update.request_id]
+        for out in update.output.outputs:
+            key = (update.request_id, out.index)
+            if key in self.closed:
+                continue
+            chars, ntok = self.sent.get(key, (0, 0))
+            delta = out.text[chars:]
+            if not delta and not out.finished:
+                continue
+            first = key not in self.sent
+            if first and self.body.echo:
+                delta = self.echo_texts[prompt_index] + delta
+            logprobs = None
+            if self.body.logprobs is not None:
+                entries = items((out.logprobs or [])[ntok:len(out.token_ids)])
+                if first and self.body.echo:
+                    entries = echo_items(self.gen.prompts[prompt_index], update.output.prompt_logprobs) + entries
+                logprobs = completion_logprobs(self.tokens, entries).model_dump()
+            choice = {"index": prompt_index * self.body.n + out.index, "text": delta, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason}
+            chunk = {**self.head, "choices": [choice]}
+            if self.include_usage:
+                chunk["usage"] = None
+            events.append(sse(chunk))
+            self.sent[key] = (len(out.text), len(out.token_ids))
+            if out.finished:
+                self.closed.add(key)
+        return events
+
+    def usage_event(self, gen: Generation) -> str:
+        usage = usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+        return sse({**self.head, "choices": [], "usage": usage.model_dump()})
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def create_completion(body: CompletionRequest, request: Request,
+                            tenant: Annotated[TenantConfig, Depends(authenticate)]) -> Response:
+    arrival = time.monotonic()
+    state = get_state(request)
+    state.check_model(body.model)
+    check_unsupported(body, suffix=(body.suffix, not body.suffix),
+                      best_of=(body.best_of, body.best_of in (None, body.n)))
+    texts, prompts = await _prompts(state, body.prompt)
+    allowed = [check_prompt(state, ids, body.max_tokens) for ids in prompts]
+    max_tokens = body.max_tokens if body.max_tokens is not None else min(allowed)
+    echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+    gen = Generation(state, request, tenant, prompts, params, body.priority, body.cache_salt, arrival)
+    await gen.start()
+    tokens = TokenText(state.tokenizer)
+    echo_texts = [t if t is not None else state.tokenizer.decode(ids, skip_special_tokens=False)
+                  for t, ids in zip(texts, prompts)] if body.echo else []
+    response_id, created = new_id("cmpl"), int(time.time())
+    if body.stream:
+        stream = CompletionStream(gen, body, tokens, echo_texts, response_id, created, state.model_name)
+        return await streaming_response(gen, stream, response_id)
+    if not await run_to_end(gen):
+        return Response(status_code=499)
+    choices = []
+    for i, (request_id, ids) in enumerate(zip(gen.request_ids, prompts)):
+        update = gen.latest[request_id]
+        for out in update.output.outputs:
+            text = (echo_texts[i] if body.echo else "") + out.text
+            logprobs = None
+            if body.logprobs is not None:
+                entries = echo_items(ids, update.output.prompt_logprobs) if body.echo else []
+                logprobs = completion_logprobs(tokens, entries + items(out.logprobs))
+            choices.append(CompletionChoice(index=i * body.n + out.index, text=text, logprobs=logprobs,
+                                            finish_reason=out.finish_reason))
+    response = CompletionResponse(id=response_id, created=created, model=state.model_name, choices=choices,
+                                  usage=usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
+    first = gen.latest[gen.request_ids[0]]
+    return JSONResponse(response.model_dump(), headers=engine_headers(first, response_id))
+

@@ -1,0 +1,225 @@
+"""Request and response schemas of the OpenAI-compatible API (pydantic), apart from the handlers.
+
+Requests reject unknown fields (400 naming the field) but accept every field the official
+OpenAI SDK sends; OpenAI features tokenmill does not implement (tools, logit_bias, suffix, ...)
+are accepted only at their no-op values. vLLM's extra sampling fields (top_k, min_p,
+repetition_penalty, ignore_eos, priority, ...) are accepted too, e.g. through ``extra_body``.
+Ranges the engine checks itself (SamplingParams) are left to it, so its error names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64 = 2**63
+StopList = Annotated[list[str], Field(max_length=64)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(Strict):
+    """Fields completions and chat share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=256)
+    temperature: float | None = Field(None, ge=0, le=1e4)
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1, lt=INT64)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: str | StopList | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, lt=INT64)
+    skip_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
+    """Lower is served first (vLLM's convention)."""
+    cache_salt: str | None = Field(None, max_length=256)
+    """Requests with different salts never share prefix-cache blocks."""
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    """Only accepted empty."""
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)]
+    max_tokens: int | None = Field(16, ge=0, lt=INT64)
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    """Only accepted equal to n."""
+    suffix: str | None = None
+    """Not supported; only accepted empty."""
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=0, lt=INT64)
+    """Deprecated by OpenAI in favour of max_completion_tokens; either works."""
+    max_completion_tokens: int | None = Field(None, ge=0, lt=INT64)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    add_generation_prompt: bool = True
+
+
+# ---- responses ------------------------------------------------------------------------------------
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tokenmill"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizePromptRequest(Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(Strict):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,49 @@
+"""Run the app under uvicorn; SIGTERM (or Ctrl-C) drains: new requests get 503, in-flight ones
+finish (up to ``drain_timeout``), then the server stops. A second signal stops it at once."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+
+import uvicorn
+
+from tokenmill.engine.llm import LLM
+from tokenmill.server.app import build_app, create_state
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.state import ServerState
+
+logger = logging.getLogger("tokenmill.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_deadline is not None or sig not in (signal.SIGTERM, signal.SIGINT):
+            super().handle_exit(sig, frame)
+            return
+        logger.info("draining: %d request(s) in flight; new requests get 503", self.state.in_flight)
+        self.state.draining = True  # ServingMiddleware answers new requests with 503
+        self._drain_deadline = time.monotonic() + self.state.config.drain_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        draining = self._drain_deadline is not None and not self.should_exit
+        if draining and (self.state.in_flight == 0 or time.monotonic() > self._drain_deadline):
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def serve(llm: LLM, config: ServerConfig) -> None:
+    """Serve a loaded model until SIGTERM/SIGINT."""
+    state = create_state(llm, config)
+    sys.setswitchinterval(0.001)  # the engine thread holds the GIL in its Python parts; hand it over sooner
+    uv = uvicorn.Config(build_app(state), host=config.host, port=config.port, log_level="info",
+                        timeout_graceful_shutdown=5)
+    logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
+    DrainingServer(uv, state).run()

@@ -1,0 +1,49 @@
+"""ServerState: everything a handler needs, built once per app (no module globals)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from tokenmill.loading.tokenizer import Tokenizer
+from tokenmill.server.admission import AdmissionController
+from tokenmill.server.async_engine import AsyncEngine
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.errors import APIError
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.tenancy import Tenancy, TenantConfig
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    max_seq_tokens: int
+    """Most tokens (prompt plus output) one sequence can hold: the context window or the KV pool."""
+    vocab_size: int
+    admission: AdmissionController
+    tenancy: Tenancy
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    in_flight: int = 0
+    """HTTP requests being served (streams included)."""
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def authenticate(request: Request) -> TenantConfig:
+    """FastAPI dependency: the caller's tenant (401 without a valid key when keys are configured)."""
+    return get_state(request).tenancy.authenticate(request.headers.get("authorization"))

@@ -45,6 +45,18 @@ def run_tokenmill(llm: LLM, requests) -> float:
     return elapsed
 
 
+def step_breakdown(stats) -> dict:
+    """Where the engine's time went: steps that only decoded vs steps that also ran prompt chunks."""
+    decode = [s for s in stats if s.num_batched_tokens == s.num_scheduled]
+    mixed = [s for s in stats if s.num_batched_tokens > s.num_scheduled]
+    return {"steps": len(stats),
+            "decode_steps": len(decode), "decode_seconds": sum(s.seconds for s in decode),
+            "decode_mean_batch": sum(s.num_scheduled for s in decode) / max(1, len(decode)),
+            "decode_ms_per_step": 1000 * sum(s.seconds for s in decode) / max(1, len(decode)),
+            "prefill_steps": len(mixed), "prefill_seconds": sum(s.seconds for s in mixed),
+            "prefill_tokens": sum(s.num_batched_tokens for s in mixed)}
+
+
 def run_hf(model, requests, max_batch: int, pad_id: int) -> float:
     start = time.perf_counter()
     for i in tqdm(range(0, len(requests), max_batch), desc="hf static batches"):
@@ -77,7 +89,12 @@ def main() -> None:
     output_tokens = sum(out for _, out in requests)
     rows = []
     elapsed = run_tokenmill(llm, requests)
-    rows.append({"engine": "tokenmill", "seconds": elapsed, "output_tok_s": output_tokens / elapsed})
+    rows.append({"engine": "tokenmill", "seconds": elapsed, "output_tok_s": output_tokens / elapsed,
+                 "steps": step_breakdown(llm.engine.stats)})
+    b = rows[0]["steps"]
+    print(f"tokenmill steps: {b['decode_steps']} decode-only ({b['decode_seconds']:.1f} s, mean batch "
+          f"{b['decode_mean_batch']:.1f}, {b['decode_ms_per_step']:.1f} ms/step), {b['prefill_steps']} with "
+          f"prompt chunks ({b['prefill_seconds']:.1f} s, {b['prefill_tokens']} tokens)", flush=True)
     print(f"tokenmill        {output_tokens / elapsed:8.1f} output tok/s  ({elapsed:.1f} s)", flush=True)
     if not args.no_hf:
         import transformers

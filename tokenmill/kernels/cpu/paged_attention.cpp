@@ -23,6 +23,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -60,6 +64,47 @@ inline void axpy(float p, const T* __restrict v, float* __restrict acc) {
   for (int d = 0; d < D; ++d) acc[d] += p * load(v, d);
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// r[i] = sum of the 16 lanes of a[i]: a transpose-and-add tree, about 3 instructions per vector
+// instead of a full horizontal reduction each.
+inline __m512 sum_lanes16(const __m512* a) {
+  __m512 s[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[t] = q . k[t] for m <= 16 keys at once.
+template <typename T, int D>
+inline void dot16(const float* q, const T* const* keys, int m, float* scores) {
+  static_assert(D % 16 == 0, "D must be a multiple of 16");
+  __m512 qv[D / 16], acc[16];
+  for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int t = 0; t < 16; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    if (t < m)
+      for (int c = 0; c < D / 16; ++c) acc[t] = _mm512_fmadd_ps(qv[c], load16(keys[t] + 16 * c), acc[t]);
+  }
+  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << m) - 1), sum_lanes16(acc));
+}
+#endif
+
 struct Args {
   int64_t B, H, Hkv, bs, max_blocks;
   float scale;
@@ -69,7 +114,8 @@ struct Args {
 template <typename T, int D>
 void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* key_start,
             const int32_t* key_end, T* out, const Args& a, int64_t b, int64_t kv_begin, int64_t kv_end,
-            std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores) {
+            std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores,
+            std::vector<const T*>& vrows) {
   const int64_t g = a.H / a.Hkv, heads = (kv_end - kv_begin) * g, h0 = kv_begin * g;
   const int64_t first = key_start[b], n = key_end[b] - first, row = a.Hkv * D;
   const int32_t* table = tables + b * a.max_blocks;
@@ -78,15 +124,38 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, const i
   scores.resize(heads * n);
   for (int64_t h = 0; h < heads; ++h)
     for (int d = 0; d < D; ++d) qf[h * D + d] = load(q, (b * a.H + h0 + h) * D + d) * a.scale;
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = first + t;
-    const T* k = kc + (static_cast<int64_t>(table[pos / a.bs]) * a.bs + pos % a.bs) * row;
-    prefetch_row(kc, table, pos + a.bs, first + n, a.bs, row);
-    for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh)
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t h = (kvh - kv_begin) * g + j;
-        scores[h * n + t] = dot<T, D>(qf.data() + h * D, k + kvh * D);
+#if defined(__AVX512F__)
+  if constexpr (D % 16 == 0) {
+    const T* keys[16];
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int m = static_cast<int>(n - t0 < 16 ? n - t0 : 16);
+      for (int i = 0; i < m; ++i) {
+        const int64_t pos = first + t0 + i;
+        keys[i] = kc + (static_cast<int64_t>(table[pos / a.bs]) * a.bs + pos % a.bs) * row;
+        prefetch_row(kc, table, pos + a.bs, first + n, a.bs, row);
       }
+      for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh) {
+        const T* shifted[16];
+        for (int i = 0; i < m; ++i) shifted[i] = keys[i] + kvh * D;
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t h = (kvh - kv_begin) * g + j;
+          dot16<T, D>(qf.data() + h * D, shifted, m, scores.data() + h * n + t0);
+        }
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = first + t;
+      const T* k = kc + (static_cast<int64_t>(table[pos / a.bs]) * a.bs + pos % a.bs) * row;
+      prefetch_row(kc, table, pos + a.bs, first + n, a.bs, row);
+      for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh)
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t h = (kvh - kv_begin) * g + j;
+          scores[h * n + t] = dot<T, D>(qf.data() + h * D, k + kvh * D);
+        }
+    }
   }
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores.data() + h * n;
@@ -102,15 +171,41 @@ void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, const i
 #pragma omp simd
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
   }
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t pos = first + t;
-    const T* v = vc + (static_cast<int64_t>(table[pos / a.bs]) * a.bs + pos % a.bs) * row;
-    prefetch_row(vc, table, pos + a.bs, first + n, a.bs, row);
+#if defined(__AVX512F__)
+  if constexpr (D % 16 == 0) {
+    // per KV head and 16-wide slice of D, up to 4 query heads accumulate in registers over all keys
+    vrows.resize(n);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = first + t;
+      vrows[t] = vc + (static_cast<int64_t>(table[pos / a.bs]) * a.bs + pos % a.bs) * row;
+    }
     for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh)
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t h = (kvh - kv_begin) * g + j;
-        axpy<T, D>(scores[h * n + t], v + kvh * D, acc.data() + h * D);
+      for (int64_t j0 = 0; j0 < g; j0 += 4) {
+        const int64_t h0 = (kvh - kv_begin) * g + j0, w = g - j0 < 4 ? g - j0 : 4;
+        const float* p0 = scores.data() + h0 * n;
+        for (int c = 0; c < D / 16; ++c) {
+          __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int64_t t = 0; t < n; ++t) {
+            const __m512 v = load16(vrows[t] + kvh * D + 16 * c);
+            for (int jj = 0; jj < 4; ++jj)
+              if (jj < w) sum[jj] = _mm512_fmadd_ps(_mm512_set1_ps(p0[jj * n + t]), v, sum[jj]);
+          }
+          for (int jj = 0; jj < w; ++jj) _mm512_storeu_ps(acc.data() + (h0 + jj) * D + 16 * c, sum[jj]);
+        }
       }
+  } else
+#endif
+  {
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = first + t;
+      const T* v = vc + (static_cast<int64_t>(table[pos / a.bs]) * a.bs + pos % a.bs) * row;
+      prefetch_row(vc, table, pos + a.bs, first + n, a.bs, row);
+      for (int64_t kvh = kv_begin; kvh < kv_end; ++kvh)
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t h = (kvh - kv_begin) * g + j;
+          axpy<T, D>(scores[h * n + t], v + kvh * D, acc.data() + h * D);
+        }
+    }
   }
   for (int64_t h = 0; h < heads; ++h)
     for (int d = 0; d < D; ++d) store(out, (b * a.H + h0 + h) * D + d, acc[h * D + d]);
@@ -124,10 +219,11 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const i
   const int64_t per_seq = split ? a.Hkv : 1;
   at::parallel_for(0, a.B * per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores;
+    std::vector<const T*> vrows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / per_seq, part = task % per_seq;
       const int64_t kv_begin = split ? part : 0, kv_end = split ? part + 1 : a.Hkv;
-      attend<T, D>(q, kc, vc, tables, key_start, key_end, out, a, b, kv_begin, kv_end, qf, acc, scores);
+      attend<T, D>(q, kc, vc, tables, key_start, key_end, out, a, b, kv_begin, kv_end, qf, acc, scores, vrows);
     }
   });
 }

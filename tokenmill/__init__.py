@@ -2,7 +2,7 @@
 
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "quantize"]
 
 
 def __getattr__(name: str):
@@ -11,4 +11,8 @@ def __getattr__(name: str):
         from tokenmill.engine.llm import LLM
 
         return LLM
+    if name == "quantize":
+        from tokenmill.quantization.api import quantize
+
+        return quantize
     raise AttributeError(name)

@@ -11,6 +11,8 @@ from typing import Sequence
 
 from tokenmill.benchmark.commands import add_bench_parser, cmd_bench
 from tokenmill.errors import TokenmillError
+from tokenmill.eval.commands import add_eval_parser, cmd_eval
+from tokenmill.quantization.commands import add_quantize_parser, cmd_quantize
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     add_bench_parser(sub)
     _serve_parser(sub)
+    add_quantize_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
@@ -143,7 +147,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve,
+            "quantize": cmd_quantize, "eval": cmd_eval}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

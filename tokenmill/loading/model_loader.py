@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -20,6 +20,7 @@ from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.loading.weights import fuse, gguf_name, hf_name, map_tensors, unpermute_rope_rows
 from tokenmill.models.base import CausalLM
 from tokenmill.models.registry import MODEL_CLASSES
+from tokenmill.quantization.config import quantization_config_of
 
 
 @dataclass
@@ -38,6 +39,11 @@ def load_model(source: ModelSource, backend: AttentionBackend, dtype: torch.dtyp
         checkpoint = open_gguf(gguf)
         tokenizer_cache = cache_dir / "tokenizers" if cache_dir else None  # Gemma's merges take ~2 s to derive
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, cache_dir=tokenizer_cache)
+    elif quantization_config_of(source.path) is not None:  # written by `tokenmill quantize`
+        from tokenmill.quantization.checkpoint import load_quantized
+
+        model, config = load_quantized(source.path, backend, dtype, device)
+        return LoadedModel(model, config, Tokenizer.from_hf_dir(source.path), source)
     else:
         checkpoint = open_hf(source.path)
         tokenizer = Tokenizer.from_hf_dir(source.path)
@@ -56,13 +62,19 @@ class Checkpoint:
 
 
 def build_model(checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype,
-                device: torch.device | str) -> CausalLM:
-    """Construct on the meta device, then assign the (fused, cast) checkpoint tensors."""
+                device: torch.device | str, adapt: Callable[[CausalLM], None] | None = None) -> CausalLM:
+    """Construct on the meta device, then assign the (fused, cast) checkpoint tensors.
+
+    ``adapt`` may change the meta model before the tensors are assigned (a quantized checkpoint
+    swaps in its quantized layers); integer tensors keep their dtype."""
     config, tensors = checkpoint.config, checkpoint.tensors
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, backend)
+        if adapt is not None:
+            adapt(model)
     try:
-        state = {name: t.to(device=device, dtype=torch.float32 if model.keeps_float32(name) else dtype)
+        state = {name: t.to(device=device, dtype=(torch.float32 if model.keeps_float32(name) else dtype)
+                            if t.is_floating_point() else t.dtype)
                  for name, t in fuse(tensors)}
     except KeyError as exc:  # fuse() found q/k/v or gate/up parts missing
         raise ModelFormatError(f"checkpoint does not fit the {config.architecture} model: {exc.args[0]}") from None
@@ -80,7 +92,7 @@ def build_model(checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.
     model.load_state_dict(state, assign=True)
     for module in model.modules():  # buffers computed at construction (RoPE) were built on CPU
         for name, buf in list(module.named_buffers(recurse=False)):
-            module.register_buffer(name, buf.to(device), persistent=False)
+            module.register_buffer(name, buf.to(device), persistent=name not in module._non_persistent_buffers_set)
     if checkpoint.rope_freq_factors is not None:
         model.rotary_global.inv_freq = model.rotary_global.inv_freq / checkpoint.rope_freq_factors.float().to(device)
     return model.eval().requires_grad_(False)

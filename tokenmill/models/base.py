@@ -57,5 +57,6 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         h = self.norm(hidden)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, weight).float()
+        if self.lm_head is not None:  # its own module: a quantized head multiplies in low precision
+            return self.lm_head(h).float()
+        return torch.nn.functional.linear(h, self.embed.weight).float()

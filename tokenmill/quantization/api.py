@@ -1,0 +1,169 @@
+"""One verb: ``quantize(model, config)`` swaps a model's linear layers for quantized ones.
+
+A registry maps each config class to its handler; a handler receives the model and the list
+of linear layers to replace (:func:`quantization_targets`) and swaps in a
+:class:`~tokenmill.quantization.linear.QuantizedLinear` for each.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from tokenmill.errors import InvalidParameterError
+from tokenmill.models.base import CausalLM
+from tokenmill.quantization.config import (
+    Int4WeightOnlyConfig,
+    Int8WeightOnlyConfig,
+    QuantConfig,
+)
+from tokenmill.quantization.linear import Int4Linear, Int8Linear, QuantizedLinear
+
+if TYPE_CHECKING:
+    from tokenmill.loading.model_loader import LoadedModel
+
+
+@dataclass
+class Target:
+    """One linear layer to quantize: its module path and the float weight it computes with."""
+
+    name: str
+    """Path of the module in the model (``layers.3.mlp.gate_up``, ``lm_head``)."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+@dataclass
+class QuantizeContext:
+    """What a handler may need besides the model and config."""
+
+    dtype: torch.dtype
+    """dtype of the activations, scales and every float parameter left unquantized."""
+    progress: bool = True
+    tokenizer: object | None = None
+    """The model's tokenizer, for handlers that calibrate on text."""
+    cache_dir: Path | None = None
+    calibration: list[list[int]] | None = None
+    """Token ids of calibration sequences; None: handlers that calibrate draw them from the corpus."""
+
+
+Handler = Callable[[CausalLM, QuantConfig, list[Target], QuantizeContext], None]
+HANDLERS: dict[type[QuantConfig], Handler] = {}
+
+
+def register(config_cls: type[QuantConfig]) -> Callable[[Handler], Handler]:
+    def wrap(handler: Handler) -> Handler:
+        HANDLERS[config_cls] = handler
+        return handler
+    return wrap
+
+
+def quantization_targets(model: CausalLM, config: QuantConfig) -> list[Target]:
+    """Every nn.Linear of the blocks (fused qkv and gate_up included), then the LM head when
+    ``config.quantize_lm_head``: the model's own, or for tied embeddings the embedding matrix."""
+    targets = [Target(name, m.weight, m.bias) for name, m in model.layers.named_modules(prefix="layers")
+               if isinstance(m, nn.Linear)]
+    if config.quantize_lm_head:
+        head = model.lm_head
+        targets.append(Target("lm_head", model.embed.weight if head is None else head.weight,
+                              None if head is None else head.bias))
+    return targets
+
+
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def quantize_model(model: CausalLM, config: QuantConfig, dtype: torch.dtype | None = None,
+                   progress: bool = True, tokenizer: object | None = None, cache_dir: Path | None = None,
+                   calibration: list[list[int]] | None = None) -> CausalLM:
+    """Quantize ``model`` in place with the handler registered for ``type(config)``.
+
+    The result computes in ``dtype`` (default: the model's current dtype); float parameters
+    left unquantized (embedding, norms) are cast to it, except those the model keeps in float32.
+    Calibrating methods use ``calibration`` (token ids) or else text from the corpus, which
+    needs ``tokenizer``.
+    """
+    handler = HANDLERS.get(type(config))
+    if handler is None:
+        raise InvalidParameterError(f"no quantization handler for {type(config).__name__}")
+    if getattr(model, "quantization_config", None) is not None:
+        raise InvalidParameterError("model is already quantized")
+    dtype = dtype or model.embed.weight.dtype
+    ctx = QuantizeContext(dtype, progress, tokenizer, cache_dir, calibration)
+    handler(model, config, quantization_targets(model, config), ctx)
+    cast_float_parameters(model, dtype)
+    model.quantization_config = config
+    return model
+
+
+def cast_float_parameters(model: CausalLM, dtype: torch.dtype) -> None:
+    """Float parameters to ``dtype``, except those the model keeps in float32 (RoPE buffers stay)."""
+    for name, param in model.named_parameters():
+        if not model.keeps_float32(name) and param.is_floating_point():
+            param.data = param.data.to(dtype)
+
+
+def replace_each(model: CausalLM, targets: list[Target], make: Callable[[Target], QuantizedLinear],
+                 progress: bool, desc: str) -> None:
+    """Swap every target for ``make(target)``, one at a time, with a progress bar."""
+    for target in tqdm(targets, desc=desc, disable=not progress, unit="layer"):
+        set_module(model, target.name, make(target))
+
+
+@register(Int8WeightOnlyConfig)
+def _int8_weight_only(model: CausalLM, config: Int8WeightOnlyConfig, targets: list[Target],
+                      ctx: QuantizeContext) -> None:
+    replace_each(model, targets, lambda t: Int8Linear.from_float(t.weight, t.bias, ctx.dtype),
+                 ctx.progress, "quantizing int8")
+
+
+@register(Int4WeightOnlyConfig)
+def _int4_weight_only(model: CausalLM, config: Int4WeightOnlyConfig, targets: list[Target],
+                      ctx: QuantizeContext) -> None:
+    def make(t: Target) -> QuantizedLinear:
+        if t.name == "lm_head" and config.lm_head_int8:
+            return Int8Linear.from_float(t.weight, t.bias, ctx.dtype)
+        return Int4Linear.from_float(t.weight, t.bias, ctx.dtype, config.group_size)
+
+    replace_each(model, targets, make, ctx.progress, f"quantizing int4 g{config.group_size}")
+
+
+def quantize(model: str | os.PathLike | CausalLM | LoadedModel | None, config: QuantConfig,
+             dtype: str | torch.dtype = "bfloat16", device: str = "cpu", progress: bool = True,
+             cache_dir: str | os.PathLike | None = None):
+    """Quantize a model: a :class:`CausalLM` or a ``LoadedModel`` in place (returned), or a model
+    argument as anywhere else (name, GGUF file, HF directory), loaded in float32 and returned
+    quantized to ``dtype`` as a ``LoadedModel`` ready for :func:`save_quantized`.
+    """
+    from tokenmill.device import resolve_device, resolve_dtype
+
+    from tokenmill.loading.model_loader import LoadedModel, load_model
+
+    if isinstance(model, CausalLM):
+        target_dtype = resolve_dtype(dtype, model.embed.weight.device)
+        return quantize_model(model, config, target_dtype, progress)
+    if isinstance(model, LoadedModel):
+        target_dtype = resolve_dtype(dtype, model.model.embed.weight.device)
+        quantize_model(model.model, config, target_dtype, progress, model.tokenizer)
+        return model
+    from tokenmill.attention.paged import PagedAttentionBackend
+    from tokenmill.loading.sources import default_cache_dir, resolve_model
+
+    resolved = resolve_device(device)
+    target_dtype = resolve_dtype(dtype, resolved)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    loaded = load_model(resolve_model(model, cache), PagedAttentionBackend(), torch.float32, resolved, cache_dir=cache)
+    quantize_model(loaded.model, config, target_dtype, progress, loaded.tokenizer, cache)
+    return loaded
+
+
+from tokenmill.quantization import gptq  # noqa: E402, F401  (registers the int4-gptq handler; it builds on this module)

@@ -1,0 +1,66 @@
+"""The low-precision matmuls, one place per device: PyTorch's packed-weight kernels.
+
+INT8 weight-only: ``torch._weight_int8pack_mm(x, w_int8 [N, K], scales [N])`` on CPU and CUDA.
+INT4 weight-only: the tinygemm convention on both devices, ``w = (q - 8) * scale + zero`` with
+q in 0..15 and one (scale, zero) per group of ``group_size`` input columns; the weight is
+repacked once into each device's own layout (``_convert_weight_to_int4pack_for_cpu`` /
+``_convert_weight_to_int4pack``) and multiplied by ``_weight_int4pack_mm_for_cpu`` /
+``_weight_int4pack_mm`` with ``scales_and_zeros [K / group_size, N, 2]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALIGNMENT = 64
+"""Bytes. The CPU int8 kernel reads its operands with aligned vector loads and crashes (SIGSEGV, no
+error) on a tensor whose data starts off a 32-byte boundary, as a view at an offset or a tensor
+read from a safetensors file may; every row must be aligned too, hence K % 16 == 0."""
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when contiguous and starting on an ALIGNMENT boundary, else an aligned copy."""
+    if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float, qweight int8 [N, K] and scale [N] in x's dtype, both aligned -> [M, N]."""
+    return torch._weight_int8pack_mm(aligned(x), qweight, scale)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] (even column in the low nibble) -> int32 [N, K] in 0..15."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int [N, K] in 0..15 -> uint8 [N, K / 2], even column in the low nibble."""
+    q = q.to(torch.uint8)
+    return q[:, ::2] | (q[:, 1::2] << 4)
+
+
+def int4_kernel_weight(packed: torch.Tensor) -> torch.Tensor:
+    """Portable nibbles uint8 [N, K / 2] -> the device kernel's own layout."""
+    if packed.device.type == "cuda":
+        # tinygemm reads high nibble first: swap to (even << 4) | odd
+        swapped = (packed >> 4) | (packed << 4)
+        k = packed.shape[1] * 2
+        inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+        return torch._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
+    return torch._convert_weight_to_int4pack_for_cpu(unpack_nibbles(packed), 1)
+
+
+def int4_scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """scale, zero [N, K / group_size] -> [K / group_size, N, 2], as the kernels take them."""
+    return torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+
+
+def int4_weight_mm(x: torch.Tensor, kernel_weight: torch.Tensor, group_size: int,
+                   scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float -> [M, N]; see :func:`int4_kernel_weight` and :func:`int4_scales_and_zeros`."""
+    if x.device.type == "cuda":
+        return torch._weight_int4pack_mm(x, kernel_weight, group_size, scales_and_zeros)
+    return torch._weight_int4pack_mm_for_cpu(x, kernel_weight, group_size, scales_and_zeros)

@@ -1,0 +1,197 @@
+"""Quantized linear layers: modules that hold low-precision weights and know how to multiply.
+
+Each class stores a portable form of its weight as persistent buffers (what ``state_dict``
+saves and a quantized checkpoint holds) and, after :meth:`QuantizedLinear.prepare`, the
+device kernel's own layout, used by ``forward``. Nothing is dequantized on the forward path.
+
+    Int8Linear  qweight int8 [N, K], scale [N]:                  w = qweight * scale
+    Int4Linear  qweight uint8 [N, Kp / 2] (two 4-bit q per byte,
+                even column in the low nibble), scale and zero
+                [N, Kp / group_size]:                            w = (q - 8) * scale + zero
+
+Kp is K rounded up to a whole number of groups; the padded columns are zero weights and the
+input is zero-padded to match (SmolLM2's 576 columns in groups of 128, for instance).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.errors import UnsupportedModelError
+from tokenmill.quantization import kernels
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ b) for a quantized W; x [..., K] in the model dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(self) -> QuantizedLinear:
+        """Build the kernel's layout from the portable buffers (after construction or loading)."""
+        return self
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight [N, K] the quantized one stands for: for tests and error analysis only."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantizedLinear):
+    """INT8 weight, symmetric, one scale per output channel."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        if self.in_features % 16:
+            raise UnsupportedModelError(f"int8 kernels need in_features divisible by 16, got {self.in_features}")
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+              device: torch.device | str = "meta") -> Int8Linear:
+        """Right shapes, no values: to be filled by ``load_state_dict(..., assign=True)``."""
+        return cls(torch.empty(out_features, in_features, dtype=torch.int8, device=device),
+                   torch.empty(out_features, dtype=dtype, device=device),
+                   torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
+        q, scale = quantize_int8_per_channel(weight, dtype)
+        return cls(q, scale, None if bias is None else bias.to(dtype)).prepare()
+
+    def prepare(self) -> Int8Linear:
+        self.qweight, self.scale = kernels.aligned(self.qweight), kernels.aligned(self.scale)
+        return self
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.int8_weight_mm(x, self.qweight, self.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale.float()[:, None]
+
+
+class Int4Linear(QuantizedLinear):
+    """INT4 weight, asymmetric, one (scale, zero) per ``group_size`` input columns."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__(in_features, qweight.shape[0], bias)
+        self.padded_in = qweight.shape[1] * 2
+        self.group_size = self.padded_in // scale.shape[1]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
+        self._kernel_weight: torch.Tensor | None = None
+        self._scales_and_zeros: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int,
+              device: torch.device | str = "meta") -> Int4Linear:
+        groups = -(-in_features // group_size)
+        return cls(torch.empty(out_features, groups * group_size // 2, dtype=torch.uint8, device=device),
+                   torch.empty(out_features, groups, dtype=dtype, device=device),
+                   torch.empty(out_features, groups, dtype=dtype, device=device), in_features,
+                   torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                   group_size: int) -> Int4Linear:
+        q, scale, zero = quantize_int4_groupwise(weight, group_size, dtype)
+        return cls(pack_int4(q), scale, zero, weight.shape[1], None if bias is None else bias.to(dtype)).prepare()
+
+    def prepare(self) -> Int4Linear:
+        """The kernels take N in multiples of 16: extra rows (q = 0, scale = zero = 0) are cut from the output."""
+        pad = -self.out_features % 16
+        qweight, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (self.qweight, self.scale, self.zero))
+        self._kernel_weight = kernels.int4_kernel_weight(qweight)
+        self._scales_and_zeros = kernels.int4_scales_and_zeros(scale, zero)
+        return self
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel_weight is None:
+            raise RuntimeError("Int4Linear used before prepare()")
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
+        y = kernels.int4_weight_mm(x.contiguous(), self._kernel_weight, self.group_size, self._scales_and_zeros)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+    def dequantize(self) -> torch.Tensor:
+        q = kernels.unpack_nibbles(self.qweight).float().view(self.out_features, -1, self.group_size)
+        w = (q - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]
+        return w.reshape(self.out_features, -1)[:, :self.in_features]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+# --------------------------------------------------------------------------- the arithmetic
+
+def quantize_int8_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 q [N, K], scale [N] in ``dtype``), symmetric: q in -127..127.
+
+    The scale is rounded to ``dtype`` before q is computed, so q is the best choice for the
+    scale the kernel will actually use."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pad_to_groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """weight [N, K] float32 -> [N, Kp] with zero columns appended up to a multiple of group_size."""
+    pad = -weight.shape[1] % group_size
+    return F.pad(weight.float(), (0, pad)) if pad else weight.float()
+
+
+def int4_group_params(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max asymmetric parameters of groups w [..., group_size] -> (scale, zero) [...] in ``dtype``,
+    so that q = round((w - zero) / scale) + 8 spans 0..15 over [min, max]."""
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8).to(dtype)
+    zero = (lo + 8.0 * scale.float()).to(dtype)
+    return scale, zero
+
+
+def int4_round(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Nearest q in 0..15 for w [..., g] under (scale, zero) [...]: int32 [..., g]."""
+    q = torch.round((w - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    return q.clamp(0, 15).to(torch.int32)
+
+
+def quantize_int4_groupwise(weight: torch.Tensor, group_size: int, dtype: torch.dtype,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest: weight [N, K] -> (q int32 [N, Kp] in 0..15, scale, zero [N, Kp / group_size])."""
+    w = pad_to_groups(weight, group_size)
+    groups = w.view(w.shape[0], -1, group_size)
+    scale, zero = int4_group_params(groups, dtype)
+    return int4_round(groups, scale, zero).view(w.shape), scale, zero
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q int [N, Kp] in 0..15 -> the portable uint8 [N, Kp / 2]."""
+    return kernels.pack_nibbles(q)
+
+
+def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20 log10(||ref|| / ||ref - approx||)."""
+    ref, approx = reference.float(), approximation.float()
+    noise = torch.linalg.vector_norm(ref - approx)
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(torch.linalg.vector_norm(ref) / noise))

@@ -66,7 +66,9 @@ class OpenAIClient:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.config.timeout_s), headers=headers,
-            connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 20)
+            # a fresh connection per request, as vLLM's benchmark does: reusing a kept-alive one races
+            # the server closing it (llama-server after 5 s idle), and the request fails unsent
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), read_bufsize=1 << 20)
         return self
 
     async def __aexit__(self, *exc) -> None:

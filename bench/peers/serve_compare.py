@@ -1,0 +1,267 @@
+"""Serving side by side: ``tokenmill serve`` and llama.cpp's ``llama-server`` on the same GGUF,
+the same workload, at rising concurrency, in one run; prints the ratio table.
+
+    python bench/peers/serve_compare.py [--concurrencies 1,4,16,64] [--input-len 256] [--output-len 128]
+                                        [--rounds 2] [--min-requests 16] [--dtype bfloat16] [--engines tokenmill,llama.cpp]
+
+The servers run one at a time (never both: they would share the cores), each on a free local
+port, and are stopped after their sweep; their logs go beside the results. llama-server is built
+once into ~/.cache/tokenmill/peers (bench/peers/build_llama_cpp.py, about 12 minutes on 2 cores)
+unless --no-build; when it cannot be built or started it is skipped with a message.
+
+    tokenmill   python -m tokenmill serve GGUF --dtype D --max-num-seqs S
+    llama.cpp   llama-server -m GGUF -c S*(input+output+pad) -np S --cont-batching -t THREADS
+
+Workload (tokenmill.benchmark): random prompts of exactly --input-len tokens (the model's own
+tokenizer, which is the GGUF's for both servers), --output-len tokens each with EOS ignored,
+greedy, streamed through /v1/completions. Each level draws fresh prompts (no prefix-cache hits
+across levels) of max(--min-requests, --rounds x concurrency) requests; both servers get the
+very same prompts. Two requests of other prompts warm each server up first. Metrics are vLLM's
+(see tokenmill/benchmark/metrics.py): output tok/s, TTFT p50/p99, TPOT p50. Ratios are
+tokenmill / peer: above 1 is better for throughput, below 1 is better for latencies.
+Writes JSON (all sweeps, and each alone for ``tokenmill bench compare``), markdown and a PNG
+under bench/results/peers/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from build_llama_cpp import CACHE, binaries, build
+
+from tokenmill.benchmark.client import ClientConfig
+from tokenmill.benchmark.report import fmt, markdown_table, write_json
+from tokenmill.benchmark.runner import LoadConfig, run_serve
+from tokenmill.benchmark.sweep import SweepResult, parse_loads, run_sweep, sweep_rows
+from tokenmill.benchmark.workloads import Conversation, WorkloadSpec, build_workload, load_tokenizer
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "peers"
+ENGINES = ("tokenmill", "llama.cpp")
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    port: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tokenmill_server(args, gguf: Path) -> Server:
+    port = free_port()
+    return Server("tokenmill", [sys.executable, "-m", "tokenmill", "serve", str(gguf), "--port", str(port),
+                                "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(args.slots)], port)
+
+
+def llama_server(args, gguf: Path) -> Server:
+    """llama-server, built first when needed; raises RuntimeError when it cannot be."""
+    found = binaries() or (build() if args.build else {})
+    if not found:
+        raise RuntimeError(f"llama-server is not built in {CACHE} (--no-build); "
+                           f"run python bench/peers/build_llama_cpp.py")
+    port = free_port()
+    per_slot = args.input_len + args.output_len + 64
+    return Server("llama.cpp", [str(found["llama-server"]), "-m", str(gguf), "--host", "127.0.0.1",
+                                "--port", str(port), "-c", str(args.slots * per_slot), "-np", str(args.slots),
+                                "--cont-batching", "-t", str(args.threads), "-tb", str(args.threads)], port)
+
+
+@contextmanager
+def running(server: Server, log: Path, timeout_s: float):
+    """Start the server, wait until /v1/models answers, yield its root URL; stop it afterwards."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"starting {server.name}: {' '.join(server.command)}", flush=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(server.command, stdout=out, stderr=subprocess.STDOUT)
+    root = f"http://127.0.0.1:{server.port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _answers(root + "/v1/models"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{server.name} did not come up (exit code {proc.poll()}); see {log}")
+            time.sleep(1)
+        yield root
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def served_model(root: str) -> str:
+    with urllib.request.urlopen(root + "/v1/models", timeout=10) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+def workloads(args, tokenizer, loads: list[float]) -> tuple[list[Conversation], list[list[Conversation]]]:
+    """(warm-up, one workload per level): fresh prompts per level, drawn once for every server."""
+    spec = WorkloadSpec("random", 2, str(args.input_len), str(args.output_len), seed=args.seed + 999)
+    warm = build_workload(spec, tokenizer)
+    levels = [build_workload(dataclasses.replace(spec, num_requests=max(args.min_requests, args.rounds * int(c)),
+                                                 seed=args.seed + 1000 * level), tokenizer)
+              for level, c in enumerate(loads)]
+    return warm, levels
+
+
+def sweep(server: Server, warm: list[Conversation], levels: list[list[Conversation]], loads: list[float],
+          count: Callable[[str], int], workload: dict, log: Path, startup_timeout_s: float) -> SweepResult:
+    def on_point(point) -> None:
+        s = point.summary
+        print(f"  {server.name} c={point.load:g}: {s.completed} ok, {s.failed} failed, {s.output_throughput:,.1f} "
+              f"tok/s, TTFT p50 {s.ttft.median or 0:.0f} ms, TPOT p50 {s.tpot.median or 0:.1f} ms", flush=True)
+
+    with running(server, log, startup_timeout_s) as root:
+        client = ClientConfig(root, served_model(root), "completions", ignore_eos=True, temperature=0.0)
+        run_serve(client, LoadConfig(max_concurrency=len(warm)), warm, count, progress=False)
+        return run_sweep(client, LoadConfig(), "concurrency", loads, levels.__getitem__, count, workload=workload,
+                         on_point=on_point)
+
+
+# ---------------------------------------------------------------- the ratio table
+
+
+METRICS = (("out tok/s", lambda s: s.output_throughput), ("TTFT p50 ms", lambda s: s.ttft.median),
+           ("TTFT p99 ms", lambda s: s.ttft.percentiles.get("p99")), ("TPOT p50 ms", lambda s: s.tpot.median))
+
+
+def ratio_table(results: dict[str, SweepResult]) -> tuple[list[str], list[list[str]]]:
+    """One row per concurrency and metric: every engine's value, then tokenmill / each peer."""
+    names = list(results)
+    peers = [n for n in names if n != "tokenmill"] if "tokenmill" in results else []
+    header = ["concurrency", "metric", *names, *[f"tokenmill / {p}" for p in peers]]
+    rows = []
+    for i, point in enumerate(results[names[0]].points):
+        for metric, get in METRICS:
+            values = {n: get(r.points[i].summary) if i < len(r.points) else None for n, r in results.items()}
+            rows.append([f"{point.load:g}", metric, *[fmt(values[n], 1) for n in names],
+                         *[_ratio(values["tokenmill"], values[p]) for p in peers]])
+    return header, rows
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"x{a / b:.2f}"
+
+
+def plot(results: dict[str, SweepResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 3.8))
+    for ax, (metric, get) in zip(axes, METRICS):
+        for name, result in results.items():
+            ys = [get(p.summary) for p in result.points]
+            ax.plot([p.load for p in result.points], [math.nan if y is None else y for y in ys], "o-", label=name)
+        loads = [p.load for p in next(iter(results.values())).points]
+        ax.set(xscale="log", xlabel="concurrency", title=metric, yscale="linear" if "tok/s" in metric else "log")
+        ax.set_xticks(loads, [f"{x:g}" for x in loads], minor=False)
+        ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF model name or file")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {','.join(ENGINES)}")
+    parser.add_argument("--concurrencies", default="1,4,16,64")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="requests per level = max(min, rounds x concurrency)")
+    parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=None,
+                        help="tokenmill --max-num-seqs and llama-server -np (default: the highest concurrency)")
+    parser.add_argument("--dtype", default="bfloat16", help="tokenmill's dtype (bfloat16: its fastest on CPU)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=600, help="seconds a server may take to come up")
+    parser.add_argument("--no-build", dest="build", action="store_false",
+                        help="skip llama.cpp when it is not built yet instead of building it")
+    args = parser.parse_args()
+    loads = parse_loads(args.concurrencies)
+    args.slots = args.slots or int(max(loads))
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if unknown := set(engines) - set(ENGINES):
+        parser.error(f"unknown engines {sorted(unknown)}; use {','.join(ENGINES)}")
+
+    from tokenmill.loading.sources import resolve_model
+
+    source = resolve_model(args.model)
+    if source.format != "gguf":
+        parser.error(f"{args.model} is not a GGUF model: both servers must load the same GGUF file")
+    gguf = source.path
+    tokenizer = load_tokenizer(args.model)
+    print("drawing the prompts", flush=True)
+    warm, levels = workloads(args, tokenizer, loads)
+    workload = {"kind": "random", "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+                "num_requests": [len(w) for w in levels]}
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    stem = RESULTS / f"serve-{datetime.now():%Y%m%d-%H%M%S}"
+    results: dict[str, SweepResult] = {}
+    skipped: dict[str, str] = {}
+    for name in engines:
+        print(f"== {name}", flush=True)
+        try:
+            server = tokenmill_server(args, gguf) if name == "tokenmill" else llama_server(args, gguf)
+            results[name] = sweep(server, warm, levels, loads, count, workload, Path(f"{stem}-{name}.log"),
+                                  args.startup_timeout)
+        except RuntimeError as exc:
+            print(f"  skipped {name}: {exc}", flush=True)
+            skipped[name] = str(exc)
+    if not results:
+        sys.exit("no engine ran")
+
+    for name, result in results.items():
+        print(f"\n{name}\n" + markdown_table(*sweep_rows(result)))
+    table = markdown_table(*ratio_table(results))
+    intro = (f"`{gguf.name}`, random prompts of {args.input_len} tokens, {args.output_len} out (EOS ignored), "
+             f"streamed /v1/completions, {args.slots} slots; tokenmill {args.dtype}; llama-server -t {args.threads}. "
+             f"Latencies in ms; ratios tokenmill / peer: > 1 is better for tok/s, < 1 is better for latencies.")
+    skips = "".join(f"\n- {n} skipped: {why}" for n, why in skipped.items())
+    print(f"\n{intro}\n\n{table}{skips}")
+    for name, result in results.items():       # each alone too: tokenmill bench compare A.json B.json
+        write_json(result.to_dict(), f"{stem}-{name}.json")
+    write_json({"kind": "serve_peers", "args": vars(args), "gguf": str(gguf), "skipped": skipped,
+                "sweeps": {n: r.to_dict() for n, r in results.items()}}, stem.with_suffix(".json"))
+    stem.with_suffix(".md").write_text(f"# Serving peers\n\n{intro}\n\n{table}\n{skips}\n\n![serve]({stem.name}.png)\n")
+    plot(results, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json, .md and .png")
+
+
+if __name__ == "__main__":
+    main()

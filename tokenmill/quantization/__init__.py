@@ -9,7 +9,8 @@ _EXPORTS = {
     "HANDLERS": "api", "quantize": "api", "quantize_model": "api", "register": "api",
     "load_quantized": "checkpoint", "save_quantized": "checkpoint",
     "CONFIG_CLASSES": "config", "Int4GPTQConfig": "config", "Int4WeightOnlyConfig": "config",
-    "Int8WeightOnlyConfig": "config", "QuantConfig": "config", "config_from_dict": "config",
+    "Int8WeightOnlyConfig": "config", "QuantConfig": "config", "W8A8Config": "config",
+    "config_from_dict": "config",
 }
 __all__ = list(_EXPORTS)
 

@@ -23,8 +23,10 @@ from tokenmill.quantization.config import (
     Int4WeightOnlyConfig,
     Int8WeightOnlyConfig,
     QuantConfig,
+    W8A8Config,
 )
-from tokenmill.quantization.linear import Int4Linear, Int8Linear, QuantizedLinear
+from tokenmill.quantization.linear import Int4Linear, Int8Linear, QuantizedLinear, W8A8Linear
+from tokenmill.quantization.observers import make_observer
 
 if TYPE_CHECKING:
     from tokenmill.loading.model_loader import LoadedModel
@@ -135,6 +137,63 @@ def _int4_weight_only(model: CausalLM, config: Int4WeightOnlyConfig, targets: li
         return Int4Linear.from_float(t.weight, t.bias, ctx.dtype, config.group_size)
 
     replace_each(model, targets, make, ctx.progress, f"quantizing int4 g{config.group_size}")
+
+
+def calibration_ids(ctx: QuantizeContext, num_samples: int, seq_len: int, method: str) -> list[list[int]]:
+    """``ctx.calibration``, or else ``num_samples`` sequences of ``seq_len`` tokens from the end of
+    the corpus (perplexity, measured on its start, never reaches them)."""
+    if ctx.calibration is not None:
+        return ctx.calibration
+    if ctx.tokenizer is None:
+        raise InvalidParameterError(f"{method} calibrates on text: quantize a model name or a LoadedModel "
+                                    "(which carry a tokenizer), or pass calibration token ids")
+    from tokenmill.eval.corpus import fetch_corpus
+
+    text = fetch_corpus(ctx.cache_dir).read_text(encoding="utf-8")
+    need = num_samples * seq_len
+    ids = ctx.tokenizer.encode(text[-8 * need:], add_special_tokens=False)[-need:]
+    if len(ids) < need:
+        raise InvalidParameterError(f"the corpus gave {len(ids)} calibration tokens, {need} needed")
+    return [ids[i:i + seq_len] for i in range(0, need, seq_len)]
+
+
+def calibrate_inputs(model: CausalLM, names: list[str], config: W8A8Config, ctx: QuantizeContext,
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Run the calibration sequences through the float model, feeding the inputs of each layer
+    in ``names`` to its own ``config.observer``: -> {name: (scale, zero_point)} per tensor.
+
+    A tied LM head has no module of its own; its input is the output of the final norm."""
+    from tokenmill.eval.perplexity import SequenceRunner
+
+    samples = calibration_ids(ctx, config.calibration_samples, config.seq_len, "w8a8 static")
+    observers = {name: make_observer(config.observer, config.symmetric, None, config.percentile) for name in names}
+    handles = []
+    for name, observer in observers.items():
+        if name == "lm_head" and model.lm_head is None:
+            handles.append(model.norm.register_forward_hook(lambda m, args, out, o=observer: o.update(out)))
+        else:
+            handles.append(model.get_submodule(name).register_forward_pre_hook(
+                lambda m, args, o=observer: o.update(args[0])))
+    runner = SequenceRunner(model, max(len(s) for s in samples))
+    try:
+        with torch.inference_mode():
+            for ids in tqdm(samples, desc=f"calibrating w8a8 ({config.observer})", disable=not ctx.progress,
+                            unit="seq"):
+                hidden = runner.hidden(ids)
+                if "lm_head" in observers:
+                    model.compute_logits(hidden)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: observer.qparams() for name, observer in observers.items()}  # ordinary tensors, not inference ones
+
+
+@register(W8A8Config)
+def _w8a8(model: CausalLM, config: W8A8Config, targets: list[Target], ctx: QuantizeContext) -> None:
+    qparams = calibrate_inputs(model, [t.name for t in targets], config, ctx) if config.activation == "static" else {}
+    replace_each(model, targets,
+                 lambda t: W8A8Linear.from_float(t.weight, t.bias, ctx.dtype, qparams.get(t.name), config.symmetric),
+                 ctx.progress, f"quantizing w8a8 ({config.activation})")
 
 
 def quantize(model: str | os.PathLike | CausalLM | LoadedModel | None, config: QuantConfig,

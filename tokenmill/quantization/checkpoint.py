@@ -32,9 +32,10 @@ from tokenmill.quantization.config import (
     Int4WeightOnlyConfig,
     Int8WeightOnlyConfig,
     QuantConfig,
+    W8A8Config,
     config_from_dict,
 )
-from tokenmill.quantization.linear import Int4Linear, Int8Linear, QuantizedLinear
+from tokenmill.quantization.linear import Int4Linear, Int8Linear, QuantizedLinear, W8A8Linear
 
 if TYPE_CHECKING:
     from tokenmill.loading.model_loader import LoadedModel
@@ -94,6 +95,9 @@ def _swap_empty(model: CausalLM, config: QuantConfig, dtype: torch.dtype) -> Non
             module: nn.Module = Int4Linear.empty(in_features, out_features, bias, dtype, config.group_size)
         elif isinstance(config, Int8WeightOnlyConfig) or int4_head_int8:
             module = Int8Linear.empty(in_features, out_features, bias, dtype)
+        elif isinstance(config, W8A8Config):
+            module = W8A8Linear.empty(in_features, out_features, bias, dtype, config.activation == "static",
+                                      config.symmetric)
         else:
             raise ModelFormatError(f"cannot load a checkpoint quantized with {config.method!r}")
         set_module(model, target.name, module)

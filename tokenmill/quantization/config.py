@@ -97,8 +97,56 @@ class Int4GPTQConfig(Int4WeightOnlyConfig):
             raise InvalidParameterError(f"Int4GPTQConfig.damping must be in (0, 1), got {self.damping}")
 
 
+ACTIVATION_MODES = ("dynamic", "static")
+OBSERVER_NAMES = ("minmax", "percentile", "mse")
+
+
+@dataclass(frozen=True)
+class W8A8Config(QuantConfig):
+    """INT8 weights (symmetric, one scale per output channel) and INT8 activations, multiplied by
+    an int8 x int8 -> int32 GEMM and rescaled to the model dtype.
+
+    ``dynamic``: each token (row of the input) gets its own scale from its own range at run time.
+    ``static``: one (scale, zero point) per layer input, fixed by running calibration text through
+    the float model and feeding each linear layer's inputs to ``observer``. Calibration sequences
+    come from the end of the evaluation corpus, as for ``int4-gptq``.
+
+    Example: ``quantize("smollm2-135m-instruct", W8A8Config(activation="static", observer="mse"))``.
+    """
+
+    method: ClassVar[str] = "w8a8"
+
+    activation: str = "dynamic"
+    """``dynamic`` (per token, at run time) or ``static`` (per tensor, from calibration)."""
+    symmetric: bool = True
+    """Activations on -127..127 around zero; False: -128..127 with a zero point."""
+    observer: str = "minmax"
+    """static: ``minmax``, ``percentile`` or ``mse``, how the calibration inputs give the range."""
+    percentile: float = 99.99
+    """static with the ``percentile`` observer: the percentile clipped at (of |x| when symmetric)."""
+    calibration_samples: int = 16
+    """static: calibration sequences."""
+    seq_len: int = 512
+    """static: tokens per calibration sequence."""
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATION_MODES:
+            raise InvalidParameterError(f"W8A8Config.activation must be one of {ACTIVATION_MODES}, "
+                                        f"got {self.activation!r}")
+        if self.observer not in OBSERVER_NAMES:
+            raise InvalidParameterError(f"W8A8Config.observer must be one of {OBSERVER_NAMES}, got {self.observer!r}")
+        if self.activation == "dynamic" and self.observer != "minmax":
+            raise InvalidParameterError("W8A8Config.observer applies to static activations only; "
+                                        "dynamic ones use each token's own range")
+        if not 50 < self.percentile <= 100:
+            raise InvalidParameterError(f"W8A8Config.percentile must be in (50, 100], got {self.percentile}")
+        for name in ("calibration_samples", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise InvalidParameterError(f"W8A8Config.{name} must be positive, got {getattr(self, name)}")
+
+
 CONFIG_CLASSES: dict[str, type[QuantConfig]] = {
-    cls.method: cls for cls in (Int8WeightOnlyConfig, Int4WeightOnlyConfig, Int4GPTQConfig)}
+    cls.method: cls for cls in (Int8WeightOnlyConfig, Int4WeightOnlyConfig, Int4GPTQConfig, W8A8Config)}
 
 
 def config_from_dict(data: dict[str, Any]) -> QuantConfig:

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from tokenmill.errors import InvalidParameterError
 from tokenmill.models.base import CausalLM
-from tokenmill.quantization.api import QuantizeContext, Target, cast_float_parameters, register, set_module
+from tokenmill.quantization.api import (
+    QuantizeContext, Target, calibration_ids, cast_float_parameters, register, set_module)
 from tokenmill.quantization.config import Int4GPTQConfig
 from tokenmill.quantization.linear import (
     Int4Linear, Int8Linear, int4_group_params, int4_round, pack_int4, pad_to_groups)
@@ -92,28 +92,11 @@ class HessianHooks:
             handle.remove()
 
 
-def calibration_ids(ctx: QuantizeContext, config: Int4GPTQConfig) -> list[list[int]]:
-    """``num_samples`` sequences of ``seq_len`` tokens from the end of the corpus."""
-    if ctx.calibration is not None:
-        return ctx.calibration
-    if ctx.tokenizer is None:
-        raise InvalidParameterError("int4-gptq calibrates on text: quantize a model name or a LoadedModel "
-                                    "(which carry a tokenizer), or pass calibration token ids")
-    from tokenmill.eval.corpus import fetch_corpus
-
-    text = fetch_corpus(ctx.cache_dir).read_text(encoding="utf-8")
-    need = config.num_samples * config.seq_len
-    ids = ctx.tokenizer.encode(text[-8 * need:], add_special_tokens=False)[-need:]
-    if len(ids) < need:
-        raise InvalidParameterError(f"the corpus gave {len(ids)} calibration tokens, {need} needed")
-    return [ids[i:i + config.seq_len] for i in range(0, need, config.seq_len)]
-
-
 @register(Int4GPTQConfig)
 def _int4_gptq(model: CausalLM, config: Int4GPTQConfig, targets: list[Target], ctx: QuantizeContext) -> None:
     from tokenmill.eval.perplexity import SequenceRunner
 
-    samples = calibration_ids(ctx, config)
+    samples = calibration_ids(ctx, config.num_samples, config.seq_len, config.method)
     by_name = {t.name: t for t in targets}  # their weights stay float32 when the model was
     cast_float_parameters(model, ctx.dtype)  # calibrate in the dtype the model will run in
     runner = SequenceRunner(model, max(len(s) for s in samples))

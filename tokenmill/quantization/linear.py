@@ -9,6 +9,10 @@ device kernel's own layout, used by ``forward``. Nothing is dequantized on the f
                 even column in the low nibble), scale and zero
                 [N, Kp / group_size]:                            w = (q - 8) * scale + zero
 
+    W8A8Linear  qweight int8 [N, K], weight_scale [N] as Int8Linear; the input is quantized to
+                int8 too, per token at run time (dynamic) or with the calibrated input_scale
+                and input_zero [] (static), and multiplied by an int8 x int8 -> int32 GEMM
+
 Kp is K rounded up to a whole number of groups; the padded columns are zero weights and the
 input is zero-padded to match (SmolLM2's 576 columns in groups of 128, for instance).
 """
@@ -21,6 +25,7 @@ from torch import nn
 
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.quantization import kernels
+from tokenmill.quantization.observers import qparams_from_range, quantize_int8
 
 
 class QuantizedLinear(nn.Module):
@@ -138,6 +143,94 @@ class Int4Linear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+class W8A8Linear(QuantizedLinear):
+    """INT8 weight (symmetric, per output channel) times INT8 activation, accumulated in int32.
+
+    With x ~ (x_q - z) * s_x (one s_x, z per token, or one per tensor) and w ~ w_q * s_w[n]:
+
+        y[m, n] = s_x[m] * s_w[n] * (sum_k x_q[m, k] w_q[n, k]  -  z[m] * sum_k w_q[n, k])
+
+    The first sum is the int8 GEMM; the second, the weight's row sums, is computed once in
+    :meth:`prepare`. Symmetric activations have z = 0 and skip it. Dynamic activations take each
+    row's own range; static ones the calibrated ``input_scale`` and ``input_zero``.
+    """
+
+    def __init__(self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 input_scale: torch.Tensor | None = None, input_zero: torch.Tensor | None = None,
+                 symmetric: bool = True) -> None:
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        if (input_scale is None) != (input_zero is None):
+            raise ValueError("W8A8Linear: static activations need both input_scale and input_zero")
+        self.symmetric = symmetric
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("weight_scale", weight_scale)
+        self.input_scale: torch.Tensor | None
+        self.input_zero: torch.Tensor | None
+        self.register_buffer("input_scale", input_scale)
+        self.register_buffer("input_zero", input_zero)
+        self._row_sum: torch.Tensor | None = None
+        self._weight_scale: torch.Tensor | None = None
+
+    @property
+    def static(self) -> bool:
+        return self.input_scale is not None
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, static: bool,
+              symmetric: bool, device: torch.device | str = "meta") -> W8A8Linear:
+        """Right shapes, no values: to be filled by ``load_state_dict(..., assign=True)``."""
+        return cls(torch.empty(out_features, in_features, dtype=torch.int8, device=device),
+                   torch.empty(out_features, dtype=dtype, device=device),
+                   torch.empty(out_features, dtype=dtype, device=device) if bias else None,
+                   torch.empty((), dtype=dtype, device=device) if static else None,
+                   torch.empty((), dtype=torch.int32, device=device) if static else None, symmetric)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                   input_qparams: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   symmetric: bool = True) -> W8A8Linear:
+        """``input_qparams``: the calibrated (scale, zero_point) of static activations; None: dynamic."""
+        q, scale = quantize_int8_per_channel(weight, dtype)
+        input_scale = input_zero = None
+        if input_qparams is not None:
+            input_scale = input_qparams[0].to(device=weight.device, dtype=dtype)
+            input_zero = input_qparams[1].to(device=weight.device, dtype=torch.int32)
+        return cls(q, scale, None if bias is None else bias.to(dtype), input_scale, input_zero, symmetric).prepare()
+
+    def prepare(self) -> W8A8Linear:
+        if self.qweight.device.type == "cuda" and (self.in_features % 8 or self.out_features % 8):
+            raise UnsupportedModelError("the CUDA int8 GEMM needs in_features and out_features divisible by 8, "
+                                        f"got {self.in_features} and {self.out_features}")
+        self._row_sum = self.qweight.sum(dim=1, dtype=torch.int32)
+        self._weight_scale = self.weight_scale.float()
+        return self
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, K] float -> (x_q int8 [M, K], scale float32, zero int32), each [M, 1] or [] (static)."""
+        if self.static:
+            scale, zero = self.input_scale.float(), self.input_zero
+        else:
+            lo, hi = torch.aminmax(x, dim=1, keepdim=True)
+            scale, zero = qparams_from_range(lo, hi, self.symmetric)
+        return quantize_int8(x, scale, zero, self.symmetric), scale, zero
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._row_sum is None:
+            raise RuntimeError("W8A8Linear used before prepare()")
+        x_q, scale, zero = self.quantize_input(x)
+        acc = kernels.int8_int8_mm(x_q, self.qweight)
+        if not self.symmetric:
+            acc = acc - zero * self._row_sum
+        return (acc.float() * (scale * self._weight_scale)).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.weight_scale.float()[:, None]
+
+    def extra_repr(self) -> str:
+        mode = "static" if self.static else "dynamic"
+        return f"{super().extra_repr()}, activation={mode}, symmetric={self.symmetric}"
 
 
 # --------------------------------------------------------------------------- the arithmetic

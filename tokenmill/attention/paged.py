@@ -166,12 +166,23 @@ class _KernelDecodes:
 
 @dataclass
 class _Plan:
-    decodes: list[_DecodeBatch]
     prefills: list[_SeqAttention]
-    decode_seqs: list[_Decode] = field(default_factory=list)
+    decode_seqs: list[_Decode]
     """The one-token sequences, by row, before batching (the kernel path takes them all at once)."""
-    all_rows_decode: bool = False
+    all_rows_decode: bool
+    meta: "PagedAttentionMetadata" = field(repr=False)
     _kernel: _KernelDecodes | None = field(default=None, repr=False)
+    _batches: list[_DecodeBatch] | None = field(default=None, repr=False)
+
+    @property
+    def decodes(self) -> list[_DecodeBatch]:
+        """The one-token sequences in padded SDPA batches of similar length; built only when the
+        SDPA path asks (the CPU kernel does not need the padded slot index)."""
+        if self._batches is None:
+            self._batches = [self.meta._decode_batch(b) for b in _buckets(self.decode_seqs, self.meta.block_size)]
+            if len(self._batches) == 1 and self.all_rows_decode:
+                self._batches[0].rows = None  # every row is a decode, in order: the output needs no scatter
+        return self._batches
 
     def kernel_decodes(self) -> _KernelDecodes:
         if self._kernel is None:
@@ -266,11 +277,7 @@ class PagedAttentionMetadata:
                 continue
             mask = attention_mask(end - start, ctx, first_key, window, self.device)
             prefills.append(_SeqAttention(start, end, self._slots(blocks, lo, hi), mask, False))
-        batches = [self._decode_batch(b) for b in _buckets(decodes, bs)]
-        all_rows = len(decodes) == self.query_start_loc[-1]
-        if len(batches) == 1 and all_rows:
-            batches[0].rows = None  # every row is a decode, in order: the output needs no scatter
-        return _Plan(batches, prefills, decodes, all_rows)
+        return _Plan(prefills, decodes, len(decodes) == self.query_start_loc[-1], self)
 
     def _decode_batch(self, seqs: list[_Decode]) -> _DecodeBatch:
         rows = torch.tensor([row for row, _, _, _ in seqs], device=self.device)

@@ -12,6 +12,7 @@ from tokenmill.errors import InvalidParameterError
 from tokenmill.server.async_engine import EngineUpdate
 from tokenmill.server.errors import APIError
 from tokenmill.server.generation import (
+    usage_event,
     engine_headers,
     run_to_end,
     streaming_response,
@@ -99,8 +100,7 @@ class ChatStream:
         return events
 
     def usage_event(self, gen: Generation) -> str:
-        usage = usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
-        return sse({**self.head, "choices": [], "usage": usage.model_dump()})
+        return usage_event(self.head, gen)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)

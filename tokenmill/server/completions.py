@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.server.async_engine import EngineUpdate
 from tokenmill.server.generation import (
+    usage_event,
     engine_headers,
     run_to_end,
     streaming_response,
@@ -87,8 +88,7 @@ class CompletionStream:
         return events
 
     def usage_event(self, gen: Generation) -> str:
-        usage = usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
-        return sse({**self.head, "choices": [], "usage": usage.model_dump()})
+        return usage_event(self.head, gen)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)

@@ -288,6 +288,12 @@ class Generation:
                                           sum(len(o.token_ids) for o in outputs), reason)
 
 
+def usage_event(head: dict, gen: Generation) -> str:
+    """The usage-only chunk that ends a stream when ``stream_options.include_usage`` asks for it."""
+    usage = usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    return sse({**head, "choices": [], "usage": usage.model_dump()})
+
+
 class StreamFormatter(Protocol):
     """Turns updates into SSE events; completions and chat each implement one."""
 

@@ -17,15 +17,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
 PATHS = ["cpu-kernel", "cpu-torch", pytest.param("cuda", marks=NO_CUDA)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads add only synchronisation, which costs seconds on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # (tokens already in cache, new tokens) per sequence
 RAGGED = [(0, 5), (10, 1), (37, 8), (3, 1), (0, 1), (64, 1), (21, 19)]  # prompts, decodes, mid-context chunks
 DECODES = [(5, 1), (17, 1), (40, 1), (0, 1), (63, 1)]
@@ -60,12 +51,12 @@ def make_tables(batch, block_size: int, window: int | None, shuffled: bool,
     return tables, num_blocks
 
 
-def random_history(batch, heads: int, kv_heads: int, dtype, seed: int = 0):
+def random_history(batch, heads: int, kv_heads: int, dtype, seed: int = 0, head_dim: int = D):
     """Per sequence: keys/values of all its positions [ctx, Hkv, D], and queries of its new tokens [n, H, D]."""
     g = torch.Generator().manual_seed(seed)
-    ks = [torch.randn(done + new, kv_heads, D, generator=g).to(dtype) for done, new in batch]
-    vs = [torch.randn(done + new, kv_heads, D, generator=g).to(dtype) for done, new in batch]
-    qs = [torch.randn(new, heads, D, generator=g).to(dtype) for _, new in batch]
+    ks = [torch.randn(done + new, kv_heads, head_dim, generator=g).to(dtype) for done, new in batch]
+    vs = [torch.randn(done + new, kv_heads, head_dim, generator=g).to(dtype) for done, new in batch]
+    qs = [torch.randn(new, heads, head_dim, generator=g).to(dtype) for _, new in batch]
     return ks, vs, qs
 
 
@@ -84,26 +75,28 @@ def reference(batch, ks, vs, qs, scale: float, window: int | None) -> torch.Tens
     return torch.cat(out)
 
 
-def run_paged(batch, ks, vs, qs, block_size: int, window: int | None, shuffled: bool, dtype, device="cpu"):
+def run_paged(batch, ks, vs, qs, block_size: int, window: int | None, shuffled: bool, dtype, device="cpu",
+              kv_cache_dtype: str = "auto"):
     """Write each sequence's history into a paged cache, run one step; (output on CPU, cache, metadata).
 
     ``device``: a device, or a PATHS entry (cpu-kernel / cpu-torch choose the CPU decode path)."""
     use_kernel = {"cpu-kernel": True, "cpu-torch": False}.get(device)
     device = "cpu" if use_kernel is not None else device
-    kv_heads = ks[0].shape[1]
+    kv_heads, head_dim = ks[0].shape[1:]
     ks, vs, qs = ([t.to(device) for t in ts] for ts in (ks, vs, qs))
     tables, num_blocks = make_tables(batch, block_size, window, shuffled)
-    cache = PagedKVCache(num_blocks, block_size, [0], kv_heads, D, dtype, device)
+    cache = PagedKVCache(num_blocks, block_size, [0], kv_heads, head_dim, dtype, device, kv_cache_dtype)
     layer = cache.layer(0)
     for (done, _), table, k, v in zip(batch, tables, ks, vs):
-        for p in range(done):
-            if table[p // block_size] != 0:
-                layer.keys[table[p // block_size], p % block_size] = k[p]
-                layer.values[table[p // block_size], p % block_size] = v[p]
+        kept = [p for p in range(done) if table[p // block_size] != 0]
+        if kept:
+            slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in kept], device=device)
+            layer.write(slots, k[kept], v[kept])
     meta = PagedAttentionMetadata.build([n for _, n in batch], [d + n for d, n in batch], [tables], block_size, device)
     new_k = torch.cat([k[d:] for (d, _), k in zip(batch, ks)])
     new_v = torch.cat([v[d:] for (d, _), v in zip(batch, vs)])
-    out = PagedAttentionBackend(use_kernel).forward(torch.cat(qs), new_k, new_v, layer, meta, D ** -0.5, window)
+    out = PagedAttentionBackend(use_kernel).forward(torch.cat(qs), new_k, new_v, layer, meta, head_dim ** -0.5,
+                                                    window)
     assert out.device == new_k.device
     return out.cpu(), cache, meta
 
@@ -302,3 +295,17 @@ def test_cpu_kernel_decode_does_not_depend_on_the_batch(dtype):
         alone, _, _ = run_paged([seq], [ks[i]], [vs[i]], [qs[i]], 4, None, True, dtype, "cpu-kernel")
         row = meta.query_start_loc[i]
         assert torch.equal(alone[0], together[row])
+
+
+# ---- head sizes of real models (the kernel's bfloat16 dot-product path needs head_dim % 32 == 0) ----
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (256, 4, 1), (80, 4, 2)],
+                         ids=["smollm2", "gqa128", "gemma3", "d80"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", PATHS)
+def test_real_head_sizes_match_reference(device, dtype, head_dim, heads, kv_heads):
+    batch = LONG_DECODES
+    ks, vs, qs = random_history(batch, heads, kv_heads, dtype, head_dim=head_dim)
+    expected = reference(batch, ks, vs, qs, head_dim ** -0.5, None)
+    out, _, _ = run_paged(batch, ks, vs, qs, 16, None, True, dtype, device)
+    assert (out.double() - expected).abs().max().item() <= (1e-5 if dtype == torch.float32 else 3e-2)

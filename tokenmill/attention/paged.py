@@ -30,6 +30,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.kv_quant import (
+    SCALE_DTYPE,
+    as_bytes,
+    dequantize_rows,
+    is_quantized,
+    quantize_rows,
+    row_bytes,
+    storage_dtype,
+)
 
 
 def attention_mask(q_len: int, ctx_len: int, first_key: int, window: int | None,
@@ -55,11 +64,14 @@ class PagedLayer:
     """The KV storage of one layer, as the backend receives it from ``PagedKVCache.layer``."""
 
     keys: torch.Tensor
-    """[num_blocks, block_size, kv_heads, head_dim]."""
+    """[num_blocks, block_size, kv_heads, head_dim], in the model's dtype or quantized (int8, fp8)."""
     values: torch.Tensor
     """Like keys."""
     group: int
     """KV group: which block tables and slot mapping of the metadata apply."""
+    key_scales: torch.Tensor | None = None
+    """Quantized storage: float16 [num_blocks, block_size, kv_heads], one scale per stored row."""
+    value_scales: torch.Tensor | None = None
     key_slots: torch.Tensor = field(init=False, repr=False)
     """keys viewed as [num_blocks * block_size, kv_heads, head_dim], indexed by slot."""
     value_slots: torch.Tensor = field(init=False, repr=False)
@@ -68,12 +80,44 @@ class PagedLayer:
         self.key_slots = self.keys.flatten(0, 1)
         self.value_slots = self.values.flatten(0, 1)
 
+    @property
+    def quantized(self) -> bool:
+        return self.key_scales is not None
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new tokens' keys and values at ``slots``; returns them as the cache now holds them
+        (quantized storage: rounded), which is what the new tokens must attend to."""
+        if not self.quantized:
+            self.key_slots.index_copy_(0, slots, k)
+            self.value_slots.index_copy_(0, slots, v)
+            return k, v
+        out = []
+        for x, rows, scales in ((k, self.key_slots, self.key_scales), (v, self.value_slots, self.value_scales)):
+            q, scale = quantize_rows(x, rows.dtype)
+            as_bytes(rows).index_copy_(0, slots, as_bytes(q))
+            scales.flatten(0, 1).index_copy_(0, slots, scale)
+            out.append(dequantize_rows(q, scale, x.dtype))
+        return out[0], out[1]
+
+    def read(self, slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots`` in ``dtype``: [n, kv_heads, head_dim] each (a view for a
+        slot range of unquantized storage, else a gather)."""
+        if not self.quantized:
+            return _take(self.key_slots, slots), _take(self.value_slots, slots)
+        k = _take(as_bytes(self.key_slots), slots).view(self.keys.dtype)
+        v = _take(as_bytes(self.value_slots), slots).view(self.values.dtype)
+        return (dequantize_rows(k, _take(self.key_scales.flatten(0, 1), slots), dtype),
+                dequantize_rows(v, _take(self.value_scales.flatten(0, 1), slots), dtype))
+
 
 class PagedKVCache:
     """Block storage of every layer; the block ids themselves are handed out elsewhere."""
 
     def __init__(self, num_blocks: int | list[int], block_size: int, layer_groups: list[int], num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 kv_cache_dtype: str = "auto") -> None:
+        """``dtype``: the model's; ``kv_cache_dtype``: ``auto`` (store in ``dtype``), ``int8`` or ``fp8``
+        (quantized rows with float16 scales, see kv_quant)."""
         num_groups = max(layer_groups) + 1
         self.num_blocks = list(num_blocks) if isinstance(num_blocks, (list, tuple)) else [num_blocks] * num_groups
         if len(self.num_blocks) != num_groups or min(self.num_blocks) < 2:
@@ -81,10 +125,16 @@ class PagedKVCache:
         self.block_size, self.layer_groups = block_size, list(layer_groups)
         # one tensor per group, [2 (keys, values), layers of the group, blocks, block_size, kv_heads, head_dim],
         # so that copy_blocks is one copy per group; zeroed so that the null block holds finite values
-        self.storage = [torch.zeros(2, layer_groups.count(g), n, block_size, num_kv_heads, head_dim, dtype=dtype,
+        self.kv_cache_dtype = kv_cache_dtype
+        self.dtype = storage_dtype(kv_cache_dtype, dtype)
+        self.storage = [torch.zeros(2, layer_groups.count(g), n, block_size, num_kv_heads, head_dim, dtype=self.dtype,
                                     device=device) for g, n in enumerate(self.num_blocks)]
+        # quantized: one float16 scale per stored row, laid out like the rows without head_dim
+        self.scales = [torch.zeros(s.shape[:-1], dtype=SCALE_DTYPE, device=device) for s in self.storage] \
+            if is_quantized(self.dtype) else None
         index_in_group = [layer_groups[:i].count(g) for i, g in enumerate(layer_groups)]
-        self.layers = [PagedLayer(self.storage[g][0, j], self.storage[g][1, j], g)
+        self.layers = [PagedLayer(self.storage[g][0, j], self.storage[g][1, j], g,
+                                  *((self.scales[g][0, j], self.scales[g][1, j]) if self.scales else ()))
                        for g, j in zip(layer_groups, index_in_group)]
 
     def layer(self, index: int) -> PagedLayer:
@@ -95,16 +145,19 @@ class PagedKVCache:
         (all sources are read before any destination is written)."""
         if not pairs:
             return
-        store = self.storage[group]
+        store = as_bytes(self.storage[group])
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=store.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=store.device)
         store.index_copy_(2, dst, store.index_select(2, src))
+        if self.scales:
+            self.scales[group].index_copy_(2, dst, self.scales[group].index_select(2, src))
 
     @staticmethod
     def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                         num_layers: int) -> int:
-        """Bytes of one block id across ``num_layers`` layers (keys and values)."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        """Bytes of one block id across ``num_layers`` layers (keys and values; ``dtype`` the storage
+        dtype, a quantized one with its scales)."""
+        return 2 * num_layers * block_size * num_kv_heads * row_bytes(head_dim, dtype)
 
     @staticmethod
     def num_blocks_for_budget(budget_bytes: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -325,6 +378,13 @@ def _buckets(decodes: list[_Decode], block_size: int) -> list[list[_Decode]]:
     return [sorted(bucket) for bucket in buckets]  # rows in order again
 
 
+_EMPTY = torch.empty(0)
+
+
+def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY if t is None else t
+
+
 class PagedAttentionBackend:
     """Attention over a ``PagedKVCache`` with ``scaled_dot_product_attention`` (CPU and CUDA),
     and on CPU tokenmill's paged-decode kernel for one-token sequences when it is built.
@@ -361,16 +421,15 @@ class PagedAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedLayer,
                 meta: PagedAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-        slots = meta.slot_mapping[cache.group]
-        cache.key_slots.index_copy_(0, slots, k)
-        cache.value_slots.index_copy_(0, slots, v)
+        k, v = cache.write(meta.slot_mapping[cache.group], k, v)
         plan = meta.plan(cache.group, sliding_window)
         kernels = self._cpu_kernels(q) if plan.decode_seqs else None
         if kernels is not None:
             d = plan.kernel_decodes()
             qd = q if d.rows is None else q.index_select(0, d.rows)
-            o = kernels.paged_decode_attention(qd.contiguous(), cache.keys, cache.values, d.block_tables,
-                                               d.key_start, d.key_end, scale)
+            o = kernels.paged_decode_attention(qd.contiguous(), cache.keys, cache.values,
+                                               _or_empty(cache.key_scales), _or_empty(cache.value_scales),
+                                               d.block_tables, d.key_start, d.key_end, scale, False)
             if d.rows is None:
                 return o
             out = torch.empty_like(q)
@@ -386,7 +445,7 @@ class PagedAttentionBackend:
             if s.slots is None:
                 key, value = k[s.start:s.end], v[s.start:s.end]
             else:
-                key, value = _take(cache.key_slots, s.slots), _take(cache.value_slots, s.slots)
+                key, value = cache.read(s.slots, q.dtype)
             o = F.scaled_dot_product_attention(q[s.start:s.end].transpose(0, 1)[None], key.transpose(0, 1)[None],
                                                value.transpose(0, 1)[None], attn_mask=s.mask, is_causal=s.causal,
                                                scale=scale, enable_gqa=gqa)  # [1, H, q_len, D]
@@ -398,8 +457,9 @@ class PagedAttentionBackend:
         """q [B, H, D] of B one-token sequences -> [B, H, D]."""
         b, h, dim = q.shape
         kv_heads = cache.keys.shape[2]
-        key = _take(cache.key_slots, d.slots).view(b, -1, kv_heads, dim).transpose(1, 2)
-        value = _take(cache.value_slots, d.slots).view(b, -1, kv_heads, dim).transpose(1, 2)
+        key, value = cache.read(d.slots, q.dtype)
+        key = key.view(b, -1, kv_heads, dim).transpose(1, 2)
+        value = value.view(b, -1, kv_heads, dim).transpose(1, 2)
         # the h / kv_heads query heads of one KV head become its query rows: [B, Hkv, group, D]
         o = F.scaled_dot_product_attention(q.reshape(b, kv_heads, h // kv_heads, dim), key, value,
                                            attn_mask=d.mask, scale=scale)

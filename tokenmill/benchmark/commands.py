@@ -48,6 +48,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     offline.add_argument("--max-num-seqs", type=int, default=64)
     offline.add_argument("--max-num-batched-tokens", type=int, default=2048)
     offline.add_argument("--kv-cache-memory", type=float, default=0.1, help="bytes, or a fraction of free memory")
+    offline.add_argument("--kv-cache-dtype", default="auto", help="auto, int8 or fp8: how the KV cache is stored")
     offline.add_argument("--seed", type=int, default=0)
     offline.add_argument("--remeasure", action="store_true", help="measure the hardware ceilings again")
     offline.add_argument("--out", default=None, help="result JSON (default bench/results/offline-<time>.json)")
@@ -234,7 +235,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
     _require("matplotlib")
     kv = int(args.kv_cache_memory) if args.kv_cache_memory > 1 else args.kv_cache_memory
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=kv)
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=kv,
+              kv_cache_dtype=args.kv_cache_dtype)
     print(f"hardware ceilings of {llm.device} (measured once, cached)...", flush=True)
     ceilings = load_or_measure(llm.device, remeasure=args.remeasure)
     config = OfflineConfig(args.num_requests, args.input_len, args.output_len, args.seed)

@@ -33,7 +33,8 @@ class LLM:
 
     Engine: ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per step (see
     SchedulerConfig), a paged KV pool of ``block_size``-token blocks sized by ``kv_cache_memory``
-    (bytes, or a fraction of free memory; see CacheConfig), prefix caching on by default.
+    (bytes, or a fraction of free memory; see CacheConfig), prefix caching on by default;
+    ``kv_cache_dtype`` ``int8`` or ``fp8`` stores keys and values quantized (about 1.9x the tokens).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
@@ -41,12 +42,12 @@ class LLM:
                  cache_dir: str | os.PathLike | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_prefill_chunk: int = 0, policy: str = "fcfs",
                  block_size: int = 16, kv_cache_memory: float | int = 0.1,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto") -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         config = EngineConfig(max_model_len, seed,
                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_prefill_chunk, True, policy),
-                              CacheConfig(block_size, kv_cache_memory, enable_prefix_caching))
+                              CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, kv_cache_dtype))
         cache = Path(cache_dir) if cache_dir else default_cache_dir()
         source = resolve_model(model, cache)
         loaded = load_model(source, PagedAttentionBackend(), self.dtype, self.device, cache_dir=cache)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.attention.kv_quant import storage_dtype
 from tokenmill.attention.paged import PagedKVCache
 from tokenmill.engine.cache_config import CacheConfig, layer_groups
 from tokenmill.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
@@ -90,22 +91,25 @@ class LLMEngine:
         mc = loaded.config
         groups, windows = layer_groups(mc)
         dtype = loaded.model.embed.weight.dtype
+        kv_dtype = storage_dtype(cfg.kv_cache_dtype, dtype)
         budget = cfg.budget_bytes(device)
         # never more than max_num_seqs full-length sequences need
-        budget = min(budget, PagedKVCache.bytes_per_block(cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype,
+        budget = min(budget, PagedKVCache.bytes_per_block(cfg.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype,
                                                           mc.num_layers)
                      * (self.config.scheduler.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1))
         per_group = [groups.count(g) for g in range(len(windows))]
         num_blocks = [PagedKVCache.num_blocks_for_budget(budget * n // mc.num_layers, cfg.block_size,
-                                                         mc.num_kv_heads, mc.head_dim, dtype, n) for n in per_group]
+                                                         mc.num_kv_heads, mc.head_dim, kv_dtype, n) for n in per_group]
         if min(num_blocks) < 2:
             raise InvalidParameterError(f"kv_cache_memory of {budget} bytes holds no KV block; raise it")
         managers = [KVCacheManager(n, cfg.block_size, cfg.enable_prefix_caching, w)
                     for n, w in zip(num_blocks, windows)]
-        cache = PagedKVCache(num_blocks, cfg.block_size, groups, mc.num_kv_heads, mc.head_dim, dtype, device)
+        cache = PagedKVCache(num_blocks, cfg.block_size, groups, mc.num_kv_heads, mc.head_dim, dtype, device,
+                             cfg.kv_cache_dtype)
         self.kv_capacity_tokens = (num_blocks[0] - 1) * cfg.block_size
-        logger.info("KV cache: %d blocks of %d tokens per group (%s), %.1f MiB: %d tokens",
-                    num_blocks[0], cfg.block_size, len(num_blocks), budget / 2**20, self.kv_capacity_tokens)
+        logger.info("KV cache: %d blocks of %d tokens per group (%s), %s, %.1f MiB: %d tokens",
+                    num_blocks[0], cfg.block_size, len(num_blocks), str(kv_dtype).removeprefix("torch."),
+                    budget / 2**20, self.kv_capacity_tokens)
         return KVCacheCoordinator(managers), cache
 
     # ---- requests -------------------------------------------------------------------------------

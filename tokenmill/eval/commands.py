@@ -21,6 +21,7 @@ def add_eval_parser(sub) -> None:
     ppl.add_argument("--stride", type=int, default=256, help="tokens between window starts")
     ppl.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA)")
     ppl.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ppl.add_argument("--kv-cache-dtype", default="auto", help="auto, int8 or fp8: score through a quantized KV cache")
 
 
 def read_tokens(tokenizer, path: Path, max_tokens: int) -> list[int]:
@@ -53,7 +54,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                         device, cache_dir=cache)
     data = Path(args.data) if args.data else fetch_corpus(cache)
     ids = read_tokens(loaded.tokenizer, data, args.max_tokens)
-    result = perplexity(loaded.model, ids, context=args.context, stride=args.stride)
+    result = perplexity(loaded.model, ids, context=args.context, stride=args.stride,
+                        kv_cache_dtype=args.kv_cache_dtype)
     print(f"perplexity: {result.perplexity:.4f}")
     print(f"tokens: {result.tokens}")
     return 0

@@ -41,7 +41,7 @@ class SequenceRunner:
     """Runs one whole sequence of up to ``max_len`` tokens through the model's own forward, over a
     throwaway paged KV cache whose blocks 1, 2, ... hold it (block 0 is the null block)."""
 
-    def __init__(self, model: CausalLM, max_len: int, block_size: int = 16) -> None:
+    def __init__(self, model: CausalLM, max_len: int, block_size: int = 16, kv_cache_dtype: str = "auto") -> None:
         self.model, self.block_size = model, block_size
         cfg, weight = model.config, model.embed.weight
         self.device = weight.device
@@ -50,7 +50,7 @@ class SequenceRunner:
         self.table = list(range(1, num_blocks))
         self.max_len = max_len
         self.cache = PagedKVCache(num_blocks, block_size, groups, cfg.num_kv_heads, cfg.head_dim, weight.dtype,
-                                  self.device)
+                                  self.device, kv_cache_dtype)
 
     def metadata(self, n: int) -> PagedAttentionMetadata:
         """The step metadata of a whole sequence of ``n`` tokens (positions 0..n-1)."""
@@ -82,11 +82,15 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
 
 @torch.inference_mode()
 def perplexity(model: CausalLM, ids: list[int], context: int = 512, stride: int = 256,
-               progress: bool = True) -> PerplexityResult:
-    """Perplexity of ``model`` on the token sequence ``ids`` (at least 2 tokens)."""
+               progress: bool = True, kv_cache_dtype: str = "auto") -> PerplexityResult:
+    """Perplexity of ``model`` on the token sequence ``ids`` (at least 2 tokens).
+
+    ``kv_cache_dtype`` ``int8``/``fp8``: attention reads keys and values as a quantized cache
+    stores them (every token, the window's own included), so the figure is the quality of
+    generating with that cache."""
     if len(ids) < 2:
         raise InvalidParameterError(f"perplexity needs at least 2 tokens, got {len(ids)}")
-    runner = SequenceRunner(model, min(context, len(ids)))
+    runner = SequenceRunner(model, min(context, len(ids)), kv_cache_dtype=kv_cache_dtype)
     total, count = 0.0, 0
     spans = windows(len(ids), context, stride)
     for begin, end, first in tqdm(spans, desc="perplexity", disable=not progress, unit="window"):

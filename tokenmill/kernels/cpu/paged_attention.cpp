@@ -179,6 +179,24 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// One tile's step of the online softmax for W heads: s[j] (scores, -inf where no key) becomes
+// e^(s - new max); the running sums and the accumulators are rescaled by e^(old max - new max).
+template <int W, int C>
+inline void online_softmax(__m512* s, __mmask16 live, float* mx, float* sum, __m512 (*acc)[C]) {
+  float tile_max[W], corr[W];
+  for (int jj = 0; jj < W; ++jj) tile_max[jj] = _mm512_reduce_max_ps(s[jj]);
+  for (int jj = 0; jj < W; ++jj) {
+    const float new_max = tile_max[jj] > mx[jj] ? tile_max[jj] : mx[jj];
+    corr[jj] = std::exp(mx[jj] - new_max);  // 0 on the first tile (mx = -inf)
+    mx[jj] = new_max;
+  }
+  for (int jj = 0; jj < W; ++jj) s[jj] = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s[jj], _mm512_set1_ps(mx[jj]))));
+  for (int jj = 0; jj < W; ++jj) {
+    sum[jj] = sum[jj] * corr[jj] + _mm512_reduce_add_ps(s[jj]);
+    for (int cc = 0; cc < C; ++cc) acc[jj][cc] = _mm512_mul_ps(acc[jj][cc], _mm512_set1_ps(corr[jj]));
+  }
+}
+
 #if defined(__AVX512BF16__)
 // bfloat16 queries over a bfloat16 cache: dot products straight from the stored bytes with
 // vdpbf16ps (pairs of bf16 products summed in float32), and values added two tokens at a time:
@@ -216,7 +234,10 @@ void attend_bf16(const at::BFloat16* q, const Cache<at::BFloat16>& c, const int3
     const uint16_t* krow = keys + slot0 * row + kvh * D;
     const uint16_t* vrow = values + slot0 * row + kvh * D;
     const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
-    for (int64_t jj = 0; jj < w; ++jj) {
+    // scores of every head first, then each softmax step for all heads together: the heads'
+    // dependency chains (max, exp, sum) overlap instead of running one after another
+    __m512 s[W];
+    for (int jj = 0; jj < W; ++jj) {
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) {
         dots[i] = _mm512_setzero_ps();
@@ -224,18 +245,11 @@ void attend_bf16(const at::BFloat16* q, const Cache<at::BFloat16>& c, const int3
           for (int c2 = 0; c2 < C2; ++c2)
             dots[i] = _mm512_dpbf16_ps(dots[i], qb[jj][c2], (__m512bh)_mm512_loadu_si512(krow + i * row + 32 * c2));
       }
-      const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(NEG_INF), sum_lanes16(dots));
-      const float tile_max = _mm512_reduce_max_ps(s);
-      if (tile_max > mx[jj]) {
-        const float corr = mx[jj] == NEG_INF ? 0.f : std::exp(mx[jj] - tile_max);
-        sum[jj] *= corr;
-        for (int cc = 0; cc < 2 * C2; ++cc) acc[jj][cc] = _mm512_mul_ps(acc[jj][cc], _mm512_set1_ps(corr));
-        mx[jj] = tile_max;
-      }
-      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx[jj]))));
-      sum[jj] += _mm512_reduce_add_ps(e);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pb[jj]), (__m256i)_mm512_cvtneps_pbh(e));
+      s[jj] = _mm512_mask_blend_ps(live, _mm512_set1_ps(NEG_INF), sum_lanes16(dots));
     }
+    online_softmax<W, 2 * C2>(s, live, mx, sum, acc);
+    for (int jj = 0; jj < W; ++jj)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb[jj]), (__m256i)_mm512_cvtneps_pbh(s[jj]));
     for (int i = 0; i < m; i += 2) {
       for (int c2 = 0; c2 < C2; ++c2) {
         const __m512i x = _mm512_loadu_si512(vrow + i * row + 32 * c2);

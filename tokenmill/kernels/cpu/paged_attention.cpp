@@ -518,8 +518,3 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, t
   }
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("supports_head_dim", &supports_head_dim, "whether paged_decode_attention handles this head_dim");
-}

@@ -1,0 +1,15 @@
+// The Python module of tokenmill's CPU kernels: one entry per kernel file.
+
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor key_scale, torch::Tensor value_scale, torch::Tensor block_tables,
+                                     torch::Tensor key_start, torch::Tensor key_end, double scale, bool generic);
+bool supports_head_dim(int64_t D);
+torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, bool generic);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("supports_head_dim", &supports_head_dim, "whether paged_decode_attention handles this head_dim");
+  m.def("int8_weight_linear", &int8_weight_linear, "weight-only int8 linear, any number of rows (CPU)");
+}

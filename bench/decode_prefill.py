@@ -114,7 +114,7 @@ def _report(results: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     labels = [f"{r['engine']}\n{r['dtype']}" for r in results["runs"]]
     for ax, key, title in ((axes[0], "prefill_tok_s", "prefill tok/s"), (axes[1], "decode_tok_s", "batch-1 decode tok/s")):
-        ax.bar(labels, [r[key] for r in results["runs"]], color=["C0" if "tokenmill" in l else "C1" for l in labels])
+        ax.bar(labels, [r[key] for r in results["runs"]], color=["C0" if "tokenmill" in lab else "C1" for lab in labels])
         ax.set_title(f"{title} ({results['model']})")
         ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()

@@ -43,10 +43,10 @@ RESULTS = Path(__file__).parent / "results"
 METHODS = {"int8": Int8WeightOnlyConfig(), "int4-g32": Int4WeightOnlyConfig(group_size=32),
            "int4-g64": Int4WeightOnlyConfig(group_size=64), "int4-g128": Int4WeightOnlyConfig(group_size=128),
            "int4-gptq-g64": Int4GPTQConfig(group_size=64), "int4-gptq-g128": Int4GPTQConfig(group_size=128),
-           "w8a8": W8A8Config(), "w8a8-static": W8A8Config(activation="static", observer="percentile")}
+           "w8a8": W8A8Config(), "w8a8-static": W8A8Config(activation="static")}
 KV_METHODS = {"kv-int8": "int8", "kv-fp8": "fp8"}
 DEFAULT_METHODS = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-gptq-g64", "int4-gptq-g128", "w8a8",
-                   "kv-int8", "kv-fp8"]
+                   "w8a8-static", "kv-int8", "kv-fp8"]
 KV_BUDGET = 64 << 20
 CONCURRENT, CONCURRENT_PROMPT, CONCURRENT_OUTPUT = 16, 128, 128
 

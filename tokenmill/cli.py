@@ -14,6 +14,7 @@ from tokenmill.benchmark.commands import add_bench_parser, cmd_bench
 from tokenmill.errors import TokenmillError
 from tokenmill.eval.commands import add_eval_parser, cmd_eval
 from tokenmill.quantization.commands import add_quantize_parser, cmd_quantize
+from tokenmill.quantization.qat_commands import add_qat_parser, cmd_qat
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     _serve_parser(sub)
     add_quantize_parser(sub)
+    add_qat_parser(sub)
     add_eval_parser(sub)
     return parser
 
@@ -151,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve,
-            "quantize": cmd_quantize, "eval": cmd_eval}
+            "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

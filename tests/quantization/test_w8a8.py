@@ -246,14 +246,15 @@ IDS = list(range(3, 40, 2)) * 2
 CALIBRATION = [torch.randint(0, 256, (64,), generator=_gen(s)).tolist() for s in range(4)]
 CONFIGS = {
     "dynamic": W8A8Config(),
+    "dynamic-unsmoothed": W8A8Config(smoothing_alpha=None),
     "dynamic-asym": W8A8Config(symmetric=False),
     "static-minmax": W8A8Config(activation="static"),
     "static-percentile-asym": W8A8Config(activation="static", observer="percentile", symmetric=False),
     "static-mse": W8A8Config(activation="static", observer="mse"),
 }
 # logits SQNR (dB) of the quantized tiny model against its float self (int8 weight-only: 30)
-LOGIT_SQNR = {"dynamic": 28.0, "dynamic-asym": 28.0, "static-minmax": 22.0, "static-percentile-asym": 22.0,
-              "static-mse": 22.0}
+LOGIT_SQNR = {"dynamic": 28.0, "dynamic-unsmoothed": 28.0, "dynamic-asym": 28.0, "static-minmax": 22.0,
+              "static-percentile-asym": 22.0, "static-mse": 22.0}
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
@@ -270,10 +271,18 @@ def test_quantized_logits_stay_close(name, tie, tmp_path):
     assert sqnr(reference, prompt_logits(model, IDS)) >= LOGIT_SQNR[name]
 
 
-def test_static_needs_text_or_ids(tmp_path):
+@pytest.mark.parametrize("config", [W8A8Config(activation="static"), W8A8Config()], ids=["static", "smoothing"])
+def test_calibrating_configs_need_text_or_ids(config, tmp_path):
     loaded = tiny_loaded(write_tiny_checkpoint(tmp_path))
     with pytest.raises(InvalidParameterError, match="calibrates on text"):
-        quantize_model(loaded.model, W8A8Config(activation="static"), progress=False)
+        quantize_model(loaded.model, config, progress=False)
+
+
+def test_unsmoothed_dynamic_needs_no_calibration(tmp_path):
+    loaded = tiny_loaded(write_tiny_checkpoint(tmp_path))
+    norm = loaded.model.norm.weight.clone()
+    quantize_model(loaded.model, W8A8Config(smoothing_alpha=None), progress=False)
+    assert isinstance(loaded.model.lm_head, W8A8Linear) and torch.equal(loaded.model.norm.weight, norm)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

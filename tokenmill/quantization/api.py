@@ -26,7 +26,8 @@ from tokenmill.quantization.config import (
     W8A8Config,
 )
 from tokenmill.quantization.linear import Int4Linear, Int8Linear, QuantizedLinear, W8A8Linear
-from tokenmill.quantization.observers import make_observer
+from tokenmill.quantization.observers import MinMaxObserver, Observer, make_observer
+from tokenmill.quantization.smoothing import smooth
 
 if TYPE_CHECKING:
     from tokenmill.loading.model_loader import LoadedModel
@@ -79,6 +80,33 @@ def quantization_targets(model: CausalLM, config: QuantConfig) -> list[Target]:
     return targets
 
 
+def kept_module(config: QuantConfig, target: Target, dtype: torch.dtype) -> QuantizedLinear | None:
+    """What a layer named in ``config.keep_layers`` becomes: INT8 weight-only for the int4 methods,
+    None for int8 and w8a8 (the float nn.Linear stays, cast to the model dtype; a tied head stays
+    the embedding matrix)."""
+    if isinstance(config, Int4WeightOnlyConfig):
+        return Int8Linear.from_float(target.weight, target.bias, dtype)
+    return None
+
+
+def keep_in_higher_precision(model: CausalLM, config: QuantConfig, targets: list[Target],
+                             dtype: torch.dtype) -> set[str]:
+    """Swap in :func:`kept_module` for each layer of ``config.keep_layers``: -> their names.
+
+    Raises InvalidParameterError naming the layers that are not among ``targets``."""
+    names = [t.name for t in targets]
+    unknown = sorted(set(config.keep_layers) - set(names))
+    if unknown:
+        raise InvalidParameterError(
+            f"keep_layers: unknown layer(s) {', '.join(unknown)}; this model's quantizable layers are "
+            f"{', '.join(n for n in names if n.startswith('layers.0.'))}, ... (blocks 0 to {len(model.layers) - 1})"
+            f"{', lm_head' if 'lm_head' in names else ' (the LM head is not quantized)'}")
+    for target in targets:
+        if target.name in config.keep_layers and (module := kept_module(config, target, dtype)) is not None:
+            set_module(model, target.name, module)
+    return set(config.keep_layers)
+
+
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
@@ -92,7 +120,8 @@ def quantize_model(model: CausalLM, config: QuantConfig, dtype: torch.dtype | No
     The result computes in ``dtype`` (default: the model's current dtype); float parameters
     left unquantized (embedding, norms) are cast to it, except those the model keeps in float32.
     Calibrating methods use ``calibration`` (token ids) or else text from the corpus, which
-    needs ``tokenizer``.
+    needs ``tokenizer``. Layers in ``config.keep_layers`` are swapped for :func:`kept_module`
+    first and left out of the targets the handler receives.
     """
     handler = HANDLERS.get(type(config))
     if handler is None:
@@ -101,7 +130,9 @@ def quantize_model(model: CausalLM, config: QuantConfig, dtype: torch.dtype | No
         raise InvalidParameterError("model is already quantized")
     dtype = dtype or model.embed.weight.dtype
     ctx = QuantizeContext(dtype, progress, tokenizer, cache_dir, calibration)
-    handler(model, config, quantization_targets(model, config), ctx)
+    targets = quantization_targets(model, config)
+    kept = keep_in_higher_precision(model, config, targets, dtype)
+    handler(model, config, [t for t in targets if t.name not in kept], ctx)
     cast_float_parameters(model, dtype)
     model.quantization_config = config
     return model
@@ -131,10 +162,18 @@ def _int8_weight_only(model: CausalLM, config: Int8WeightOnlyConfig, targets: li
 @register(Int4WeightOnlyConfig)
 def _int4_weight_only(model: CausalLM, config: Int4WeightOnlyConfig, targets: list[Target],
                       ctx: QuantizeContext) -> None:
+    importance: dict[str, torch.Tensor] = {}
+    if config.activation_weighted:  # the int4 helpers live in gptq.py, which imports this module
+        from tokenmill.quantization.gptq import input_mean_squares
+
+        samples = calibration_ids(ctx, config.num_samples, config.seq_len, "int4 activation_weighted")
+        importance = input_mean_squares(model, [t.name for t in targets], samples, ctx.progress)
+
     def make(t: Target) -> QuantizedLinear:
         if t.name == "lm_head" and config.lm_head_int8:
             return Int8Linear.from_float(t.weight, t.bias, ctx.dtype)
-        return Int4Linear.from_float(t.weight, t.bias, ctx.dtype, config.group_size)
+        return Int4Linear.from_float(t.weight, t.bias, ctx.dtype, config.group_size, config.range_search,
+                                     importance.get(t.name))
 
     replace_each(model, targets, make, ctx.progress, f"quantizing int4 g{config.group_size}")
 
@@ -157,16 +196,14 @@ def calibration_ids(ctx: QuantizeContext, num_samples: int, seq_len: int, method
     return [ids[i:i + seq_len] for i in range(0, need, seq_len)]
 
 
-def calibrate_inputs(model: CausalLM, names: list[str], config: W8A8Config, ctx: QuantizeContext,
-                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Run the calibration sequences through the float model, feeding the inputs of each layer
-    in ``names`` to its own ``config.observer``: -> {name: (scale, zero_point)} per tensor.
+def observe_inputs(model: CausalLM, observers: dict[str, Observer], samples: list[list[int]], desc: str,
+                   progress: bool) -> None:
+    """Run ``samples`` (token ids) through the float model, feeding the input of each layer named
+    in ``observers`` to its observer.
 
     A tied LM head has no module of its own; its input is the output of the final norm."""
     from tokenmill.eval.perplexity import SequenceRunner
 
-    samples = calibration_ids(ctx, config.calibration_samples, config.seq_len, "w8a8 static")
-    observers = {name: make_observer(config.observer, config.symmetric, None, config.percentile) for name in names}
     handles = []
     for name, observer in observers.items():
         if name == "lm_head" and model.lm_head is None:
@@ -177,19 +214,57 @@ def calibrate_inputs(model: CausalLM, names: list[str], config: W8A8Config, ctx:
     runner = SequenceRunner(model, max(len(s) for s in samples))
     try:
         with torch.inference_mode():
-            for ids in tqdm(samples, desc=f"calibrating w8a8 ({config.observer})", disable=not ctx.progress,
-                            unit="seq"):
+            for ids in tqdm(samples, desc=desc, disable=not progress, unit="seq"):
                 hidden = runner.hidden(ids)
                 if "lm_head" in observers:
                     model.compute_logits(hidden)
     finally:
         for handle in handles:
             handle.remove()
+
+
+def calibrate_inputs(model: CausalLM, names: list[str], config: W8A8Config, ctx: QuantizeContext,
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The static activation grid of each layer in ``names``: its calibration inputs fed to its
+    own ``config.observer`` -> {name: (scale, zero_point)} per tensor."""
+    samples = calibration_ids(ctx, config.calibration_samples, config.seq_len, "w8a8 static")
+    observers = {name: make_observer(config.observer, config.symmetric, None, config.percentile) for name in names}
+    observe_inputs(model, observers, samples, f"calibrating w8a8 ({config.observer})", ctx.progress)
     return {name: observer.qparams() for name, observer in observers.items()}  # ordinary tensors, not inference ones
+
+
+def input_absmax(model: CausalLM, names: list[str], config: W8A8Config, ctx: QuantizeContext,
+                 ) -> dict[str, torch.Tensor]:
+    """max |x| per input channel of each layer in ``names`` over the calibration text: {name: [K]}."""
+    samples = calibration_ids(ctx, config.calibration_samples, config.seq_len, "w8a8 smoothing")
+    observers = {name: MinMaxObserver(symmetric=True, axis=-1) for name in names}
+    observe_inputs(model, observers, samples, "calibrating smoothing", ctx.progress)
+    return {name: torch.maximum(-o.lo, o.hi).clone() for name, o in observers.items()}
+
+
+def smooth_targets(model: CausalLM, config: W8A8Config, targets: list[Target], ctx: QuantizeContext,
+                   ) -> list[Target]:
+    """SmoothQuant the float model in place (:mod:`~tokenmill.quantization.smoothing`): the
+    targets of the kinds in ``config.smoothing_layers``. -> ``targets``, with a smoothed tied LM
+    head pointing at its own scaled copy of the embedding matrix."""
+    names = [t.name for t in targets if smoothed_kind(t.name) in config.smoothing_layers]
+    if not names:
+        return targets
+    smooth(model, input_absmax(model, names, config, ctx), config.smoothing_alpha)
+    head = model.lm_head  # None when a tied head was left unsmoothed
+    return [Target(t.name, head.weight, head.bias) if t.name == "lm_head" and head is not None else t
+            for t in targets]
+
+
+def smoothed_kind(name: str) -> str:
+    """``layers.3.attn.qkv`` -> ``qkv``; ``lm_head`` -> ``lm_head``."""
+    return name.rpartition(".")[2]
 
 
 @register(W8A8Config)
 def _w8a8(model: CausalLM, config: W8A8Config, targets: list[Target], ctx: QuantizeContext) -> None:
+    if config.smoothing_alpha is not None:
+        targets = smooth_targets(model, config, targets, ctx)
     qparams = calibrate_inputs(model, [t.name for t in targets], config, ctx) if config.activation == "static" else {}
     replace_each(model, targets,
                  lambda t: W8A8Linear.from_float(t.weight, t.bias, ctx.dtype, qparams.get(t.name), config.symmetric),

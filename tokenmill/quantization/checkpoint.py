@@ -86,14 +86,24 @@ def load_quantized(path: Path, backend: Any, dtype: torch.dtype, device: torch.d
 
 
 def _swap_empty(model: CausalLM, config: QuantConfig, dtype: torch.dtype) -> None:
-    """On the meta model: put an empty quantized layer where the saved model has one."""
-    for target in quantization_targets(model, config):
+    """On the meta model: put an empty quantized layer where the saved model has one. Layers of
+    ``config.keep_layers`` get INT8 under the int4 methods and otherwise keep their float module
+    (as :func:`~tokenmill.quantization.api.kept_module` made them)."""
+    targets = quantization_targets(model, config)
+    unknown = sorted(set(config.keep_layers) - {t.name for t in targets})
+    if unknown:
+        raise ModelFormatError(f"quantization_config.keep_layers names layers this model lacks: {', '.join(unknown)}")
+    for target in targets:
         out_features, in_features = target.weight.shape
         bias = target.bias is not None
-        int4_head_int8 = isinstance(config, Int4WeightOnlyConfig) and config.lm_head_int8 and target.name == "lm_head"
-        if isinstance(config, Int4WeightOnlyConfig) and not int4_head_int8:
+        kept = target.name in config.keep_layers
+        if kept and not isinstance(config, Int4WeightOnlyConfig):
+            continue
+        int8_under_int4 = isinstance(config, Int4WeightOnlyConfig) and (
+            kept or (config.lm_head_int8 and target.name == "lm_head"))
+        if isinstance(config, Int4WeightOnlyConfig) and not int8_under_int4:
             module: nn.Module = Int4Linear.empty(in_features, out_features, bias, dtype, config.group_size)
-        elif isinstance(config, Int8WeightOnlyConfig) or int4_head_int8:
+        elif isinstance(config, Int8WeightOnlyConfig) or int8_under_int4:
             module = Int8Linear.empty(in_features, out_features, bias, dtype)
         elif isinstance(config, W8A8Config):
             module = W8A8Linear.empty(in_features, out_features, bias, dtype, config.activation == "static",

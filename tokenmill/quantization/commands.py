@@ -27,6 +27,29 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--dtype", default="bfloat16", help="dtype the quantized model computes in")
     q.add_argument("--device", default="cpu", help="cpu or cuda")
     q.add_argument("--no-lm-head", action="store_true", help="leave the LM head unquantized")
+    _add_mixed_precision_args(q)
+
+
+def _add_mixed_precision_args(q: argparse.ArgumentParser) -> None:
+    """Layers kept in higher precision (INT8 under int4, the model dtype under int8 and w8a8):
+    named, read from a plan file, or planned here by a sensitivity analysis under a budget."""
+    how = q.add_mutually_exclusive_group()
+    how.add_argument("--keep-layers", default=None, metavar="A,B",
+                     help="comma-separated module paths kept in higher precision (layers.3.mlp.down,lm_head)")
+    how.add_argument("--plan", default=None, metavar="FILE", help="apply a plan written by --sensitivity")
+    how.add_argument("--sensitivity", action="store_true",
+                     help="measure each layer's perplexity damage, print the table, write the plan and quantize by it")
+    budget = q.add_mutually_exclusive_group()
+    budget.add_argument("--ppl-budget", type=float, default=None, metavar="FRACTION",
+                        help="--sensitivity: maximum estimated perplexity increase over the unquantized model (0.08)")
+    budget.add_argument("--size-budget-mb", type=float, default=None, metavar="MB",
+                        help="--sensitivity: maximum size of the model's tensors, in MB (10^6 bytes)")
+    q.add_argument("--eval-tokens", type=int, default=2048,
+                   help="--sensitivity: tokens of the evaluation slice (from the middle of the corpus)")
+    q.add_argument("--eval-data", default=None, metavar="FILE",
+                   help="--sensitivity: text whose middle is the evaluation slice (default: the corpus)")
+    q.add_argument("--plan-out", default=None, metavar="FILE",
+                   help="--sensitivity: where to write the plan (default DIR/quantization_plan.json)")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -42,7 +65,67 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.calibration_samples is not None:
         options["calibration_samples" if args.method == "w8a8" else "num_samples"] = args.calibration_samples
     config = config_from_dict(options)
-    loaded = quantize(args.model, config, dtype=args.dtype, device=args.device)
+    if args.sensitivity:
+        loaded, config = _plan_and_quantize(args, config)
+    else:
+        config = _with_kept_layers(args, config)
+        loaded = quantize(args.model, config, dtype=args.dtype, device=args.device)
     out = save_quantized(loaded, args.out)
     print(f"wrote {out} ({config.method})")
     return 0
+
+
+def _with_kept_layers(args: argparse.Namespace, config):
+    """``config`` with the layers of ``--keep-layers`` or ``--plan``; a plan made for other options is refused."""
+    import dataclasses
+
+    from tokenmill.errors import InvalidParameterError
+    from tokenmill.quantization.sensitivity import read_plan
+
+    if args.ppl_budget is not None or args.size_budget_mb is not None:
+        raise InvalidParameterError("--ppl-budget and --size-budget-mb apply with --sensitivity")
+    if args.keep_layers is not None:
+        return dataclasses.replace(config, keep_layers=tuple(n.strip() for n in args.keep_layers.split(",") if n.strip()))
+    if args.plan is None:
+        return config
+    planned = read_plan(args.plan)
+    if dataclasses.replace(planned, keep_layers=()) != config:
+        ours, theirs = config.to_dict(), planned.to_dict()
+        differ = sorted(k for k in ours.keys() | theirs.keys() if k != "keep_layers" and ours.get(k) != theirs.get(k))
+        raise InvalidParameterError(
+            f"{args.plan} was planned for other options ({', '.join(f'{k}: {theirs.get(k)!r}' for k in differ)}); "
+            f"this command has {', '.join(f'{k}: {ours.get(k)!r}' for k in differ)}")
+    return planned
+
+
+def _plan_and_quantize(args: argparse.Namespace, config):
+    """Sensitivity analysis of the float model, a plan under the budget (table printed, plan file
+    written), then the model quantized by the plan: -> (loaded model, planned config)."""
+    from pathlib import Path
+
+    import torch
+
+    from tokenmill.attention.paged import PagedAttentionBackend
+    from tokenmill.device import resolve_device, resolve_dtype
+    from tokenmill.errors import InvalidParameterError
+    from tokenmill.loading.model_loader import load_model
+    from tokenmill.loading.sources import default_cache_dir, resolve_model
+    from tokenmill.quantization import quantize
+    from tokenmill.quantization.sensitivity import (
+        analyze_sensitivity, format_table, plan_keep_layers, planned_config, sensitivity_ids, write_plan)
+
+    if args.ppl_budget is None and args.size_budget_mb is None:
+        raise InvalidParameterError("--sensitivity needs a budget: --ppl-budget FRACTION or --size-budget-mb MB")
+    device = resolve_device(args.device)
+    cache = default_cache_dir()
+    loaded = load_model(resolve_model(args.model, cache), PagedAttentionBackend(), torch.float32, device, cache_dir=cache)
+    ids = sensitivity_ids(loaded.tokenizer, args.eval_tokens, text_file=args.eval_data, cache_dir=cache)
+    report = analyze_sensitivity(loaded.model, config, ids, resolve_dtype(args.dtype, device),
+                                 tokenizer=loaded.tokenizer, cache_dir=cache)
+    max_bytes = None if args.size_budget_mb is None else int(args.size_budget_mb * 1e6)
+    plan = plan_keep_layers(report, args.ppl_budget, max_bytes)
+    print(format_table(report, plan))
+    print(f"wrote {write_plan(args.plan_out or Path(args.out) / 'quantization_plan.json', report, plan)}")
+    config = planned_config(report, plan)
+    quantize(loaded, config, dtype=args.dtype)
+    return loaded, config

@@ -6,6 +6,11 @@ that X W^T changes as little as possible (Frantar et al., "GPTQ", 2022, Algorith
 block updates and the Cholesky form of H^-1). The result is stored exactly like round-to-nearest
 INT4 (:class:`~tokenmill.quantization.linear.Int4Linear`), so only quantization time differs.
 
+Two refinements, both on by default in :class:`~tokenmill.quantization.config.Int4GPTQConfig`:
+act-order (columns by decreasing H diagonal, with static groups so that the stored layout is
+unchanged) and each group's (scale, zero) by a range search whose error is weighted by the H
+diagonal (llama.cpp's imatrix idea) instead of min-max.
+
 The model is calibrated block by block, in the dtype it will run in: the calibration sequences' hidden states enter block i,
 hooks on its linear layers accumulate each one's H, the layers are quantized, and block i runs
 again, now quantized, to give block i + 1 its inputs.
@@ -22,55 +27,172 @@ from tokenmill.quantization.api import (
     QuantizeContext, Target, calibration_ids, cast_float_parameters, register, set_module)
 from tokenmill.quantization.config import Int4GPTQConfig
 from tokenmill.quantization.linear import (
-    Int4Linear, Int8Linear, int4_group_params, int4_round, pack_int4, pad_to_groups)
+    Int4Linear, Int8Linear, int4_group_params, int4_round, int4_search_params, pack_int4, pad_to_groups)
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, dtype: torch.dtype,
-                  damping: float = 0.01, block_size: int = 128,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  damping: float = 0.01, block_size: int = 128, act_order: bool = False, range_search: bool = False,
+                  activation_weighted: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K], hessian [K, K] (sum of x x^T over calibration inputs) -> (q int32 [N, Kp] in
     0..15, scale, zero [N, Kp / group_size] in ``dtype``), with w ~ (q - 8) * scale + zero.
 
-    Each group's (scale, zero) come from min-max of its columns as updated when the group begins."""
+    Without ``act_order``, columns go left to right and each group's (scale, zero) come from its
+    columns as updated when the group begins (the paper's form). With it, columns go in order of
+    decreasing H diagonal and the groups are static: every group's parameters come from the
+    original weights first, so a group's columns can be rounded in any order. ``range_search``:
+    the parameters by :func:`~tokenmill.quantization.linear.int4_search_params`, with
+    ``activation_weighted`` each column's error weighted by its H diagonal (the inputs' mean
+    square, as llama.cpp's imatrix)."""
     w = pad_to_groups(weight, group_size).clone()
     n, k = w.shape
-    h = torch.zeros(k, k, dtype=torch.float32, device=w.device)
-    h[:hessian.shape[0], :hessian.shape[0]] = hessian.float()
+    h = padded_hessian(hessian, k)
     dead = torch.diag(h) == 0  # inputs that were always zero (padding included): any value will do
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    importance = torch.diag(h).clone()
+    params = GroupParams(k // group_size, group_size, dtype, range_search, importance if activation_weighted else None)
+    if act_order:
+        params.fix_all(w)
+        order = torch.argsort(importance, descending=True, stable=True)
+    else:
+        order = torch.arange(k, device=w.device)
+    w, h = w[:, order], h[order][:, order]
     h += torch.eye(k, device=w.device) * damping * torch.mean(torch.diag(h))
     h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    q = _gptq_columns(w, h_inv, order, params, block_size)
+    return q[:, torch.argsort(order)], params.scale, params.zero
+
+
+def padded_hessian(hessian: torch.Tensor, k: int) -> torch.Tensor:
+    """``hessian`` as float32 [k, k], zero rows and columns for the padded inputs."""
+    h = torch.zeros(k, k, dtype=torch.float32, device=hessian.device)
+    h[:hessian.shape[0], :hessian.shape[0]] = hessian.float()
+    return h
+
+
+class GroupParams:
+    """The (scale, zero) [N, groups] of one layer, fixed all at once (static groups) or group by group
+    as GPTQ reaches each group's first column."""
+
+    def __init__(self, groups: int, group_size: int, dtype: torch.dtype, range_search: bool,
+                 importance: torch.Tensor | None) -> None:
+        self.group_size, self.dtype, self.range_search = group_size, dtype, range_search
+        self.importance, self.groups = importance, groups
+        self.scale: torch.Tensor = torch.empty(0)
+        self.zero: torch.Tensor = torch.empty(0)
+        self.static = False
+
+    def compute(self, w: torch.Tensor, columns: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parameters of groups w [N, groups, group_size], whose columns are ``columns`` of the layer."""
+        if not self.range_search:
+            return int4_group_params(w, self.dtype)
+        weights = None if self.importance is None else self.importance[columns].view(1, -1, self.group_size)
+        return int4_search_params(w, self.dtype, weights)
+
+    def fix_all(self, w: torch.Tensor) -> None:
+        """Static groups: every group's parameters from ``w`` [N, Kp] as it is now."""
+        self.scale, self.zero = self.compute(w.view(w.shape[0], -1, self.group_size), slice(None))
+        self.static = True
+
+    def begin(self, w_group: torch.Tensor, group: int) -> None:
+        """Dynamic groups: group ``group``'s parameters from its current columns w_group [N, group_size]."""
+        if self.static:
+            return
+        if self.scale.numel() == 0:
+            self.scale = torch.zeros(w_group.shape[0], self.groups, dtype=self.dtype, device=w_group.device)
+            self.zero = torch.zeros_like(self.scale)
+        cols = slice(group * self.group_size, (group + 1) * self.group_size)
+        scale, zero = self.compute(w_group[:, None], cols)
+        self.scale[:, group], self.zero[:, group] = scale[:, 0], zero[:, 0]
+
+
+def _gptq_columns(w: torch.Tensor, h_inv: torch.Tensor, order: torch.Tensor, params: GroupParams,
+                  block_size: int) -> torch.Tensor:
+    """GPTQ's loop (Algorithm 1) over the columns of w [N, Kp], already in quantization order
+    (original column ``order[j]`` at position j), with h_inv the upper Cholesky factor of the
+    permuted inverse Hessian: each column is rounded and its error, scaled by the factor's row,
+    pushed onto the columns after it, within the block at once and onto later blocks in one
+    matmul per block. -> q int32 [N, Kp] in the permuted order."""
+    n, k = w.shape
+    gs = params.group_size
+    groups = (order // gs).tolist()
     q = torch.zeros(n, k, dtype=torch.int32, device=w.device)
-    groups = k // group_size
-    scale = torch.zeros(n, groups, dtype=dtype, device=w.device)
-    zero = torch.zeros(n, groups, dtype=dtype, device=w.device)
-    block = -(-max(block_size, group_size) // group_size) * group_size  # whole groups per block
+    block = -(-max(block_size, gs) // gs) * gs  # whole groups per block
     for start in range(0, k, block):
         end = min(start + block, k)
-        w_block, err_block, h_block = w[:, start:end].clone(), torch.zeros(n, end - start, device=w.device), \
-            h_inv[start:end, start:end]
+        w_block, h_block = w[:, start:end].clone(), h_inv[start:end, start:end]
+        err_block = torch.zeros(n, end - start, device=w.device)
         for i in range(end - start):
-            col = start + i
-            if col % group_size == 0:
-                g = col // group_size
-                scale[:, g], zero[:, g] = int4_group_params(w_block[:, i:i + group_size], dtype)
-            g = col // group_size
-            q_col = int4_round(w_block[:, i:i + 1], scale[:, g], zero[:, g])[:, 0]
-            dq = (q_col.float() - 8) * scale[:, g].float() + zero[:, g].float()
+            col, g = start + i, groups[start + i]
+            if col % gs == 0:  # dynamic groups only: the order is then the identity
+                params.begin(w_block[:, i:i + gs], g)
+            scale, zero = params.scale[:, g], params.zero[:, g]
+            q_col = int4_round(w_block[:, i:i + 1], scale, zero)[:, 0]
+            dq = (q_col.float() - 8) * scale.float() + zero.float()
             q[:, col] = q_col
             err = (w_block[:, i] - dq) / h_block[i, i]
             w_block[:, i:] -= err[:, None] * h_block[i, i:][None, :]
             err_block[:, i] = err
         w[:, end:] -= err_block @ h_inv[start:end, end:]
-    return q, scale, zero
+    return q
 
 
 def gptq_linear(target: Target, hessian: torch.Tensor, config: Int4GPTQConfig, dtype: torch.dtype) -> Int4Linear:
     q, scale, zero = gptq_quantize(target.weight, hessian, config.group_size, dtype, config.damping,
-                                   config.block_size)
+                                   config.block_size, config.act_order, config.range_search,
+                                   config.activation_weighted)
     bias = None if target.bias is None else target.bias.to(dtype)
     return Int4Linear(pack_int4(q), scale, zero, target.weight.shape[1], bias).prepare()
+
+
+class MeanSquareHooks:
+    """Forward pre-hooks accumulating the mean square of each input column of some linear layers
+    (float32 [K]): the diagonal of H / tokens, llama.cpp's "importance matrix"."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.add(name, args[0])
+        return hook
+
+    def add(self, name: str, x: torch.Tensor) -> None:
+        """Count inputs x [..., K] of layer ``name``."""
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.sums[name] = self.sums.get(name, 0) + (x * x).sum(dim=0)
+        self.counts[name] = self.counts.get(name, 0) + x.shape[0]
+
+    def mean_squares(self) -> dict[str, torch.Tensor]:
+        return {name: total / self.counts[name] for name, total in self.sums.items()}
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def input_mean_squares(model: CausalLM, names: list[str], samples: list[list[int]],
+                       progress: bool = True) -> dict[str, torch.Tensor]:
+    """Each named linear layer's input mean square per column [K] over ``samples`` run through the
+    (float) model. A tied LM head, which has no module, gets the final norm's output's."""
+    from tokenmill.eval.perplexity import SequenceRunner
+
+    modules = {n: model.get_submodule(n) for n in names if n != "lm_head" or model.lm_head is not None}
+    hooks = MeanSquareHooks(modules)
+    runner = SequenceRunner(model, max(len(s) for s in samples))
+    try:
+        with torch.inference_mode():
+            for ids in tqdm(samples, desc="input mean squares", disable=not progress, unit="seq"):
+                hidden = runner.hidden(ids)
+                if "lm_head" in modules:
+                    model.compute_logits(hidden)
+                elif "lm_head" in names:
+                    hooks.add("lm_head", model.norm(hidden))
+    finally:
+        hooks.remove()
+    return hooks.mean_squares()
 
 
 class HessianHooks:

@@ -116,8 +116,11 @@ class Int4Linear(QuantizedLinear):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                   group_size: int) -> Int4Linear:
-        q, scale, zero = quantize_int4_groupwise(weight, group_size, dtype)
+                   group_size: int, range_search: bool = False, importance: torch.Tensor | None = None,
+                   ) -> Int4Linear:
+        """Round-to-nearest; ``range_search``: each group's range searched (:func:`int4_search_params`),
+        each input column's error weighted by ``importance`` [K] when given."""
+        q, scale, zero = quantize_int4_groupwise(weight, group_size, dtype, range_search, importance)
         return cls(pack_int4(q), scale, zero, weight.shape[1], None if bias is None else bias.to(dtype)).prepare()
 
     def prepare(self) -> Int4Linear:
@@ -267,12 +270,83 @@ def int4_round(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
     return q.clamp(0, 15).to(torch.int32)
 
 
-def quantize_int4_groupwise(weight: torch.Tensor, group_size: int, dtype: torch.dtype,
+RANGE_TRIMS = (0.0, 0.02, 0.04, 0.06, 0.08, 0.1)
+"""Fractions of a group's [min, max] range that :func:`int4_search_params` tries cutting from
+each end (36 pairs, the range kept between 80% and 100%)."""
+
+
+def int4_group_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                     importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Squared rounding error of groups w [..., g] under (scale, zero) [...], summed over each group
+    and weighted per column by ``importance`` (broadcast against w; None: 1): float32 [...]."""
+    q = int4_round(w, scale, zero).float()
+    err = ((q - 8) * scale.float()[..., None] + zero.float()[..., None] - w) ** 2
+    return (err if importance is None else err * importance).sum(dim=-1)
+
+
+def int4_fit_params(w: torch.Tensor, q: torch.Tensor, importance: torch.Tensor | None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted least-squares (scale, zero) [...] for fixed levels q [..., g]: the best w ~ (q - 8) * scale
+    + zero; float32, or NaN where the levels are all equal (no scale can be fitted)."""
+    u = q.float() - 8
+    c = torch.ones_like(w) if importance is None else importance.expand_as(w)
+    n, su, sw = c.sum(-1), (c * u).sum(-1), (c * w).sum(-1)
+    suu, suw = (c * u * u).sum(-1), (c * u * w).sum(-1)
+    det = n * suu - su * su
+    ok = det > 1e-12 * n * n
+    scale = torch.where(ok, (n * suw - su * sw) / torch.where(ok, det, 1.0), float("nan"))
+    zero = (sw - scale * su) / n.clamp(min=1e-30)
+    return scale, zero
+
+
+def int4_search_params(w: torch.Tensor, dtype: torch.dtype, importance: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`int4_group_params` for groups w [..., g], but the (scale, zero) that minimise each
+    group's (``importance``-weighted) squared rounding error among: plain min-max, and for each
+    range trimmed by :data:`RANGE_TRIMS` at either end, its own parameters and the least-squares
+    refit of them to the levels they round to (llama.cpp's make_qkx / AWQ's clip search).
+
+    Trimming lets a few outliers clip so that the other weights get a finer grid. Min-max is
+    a candidate and parameters are compared as rounded to ``dtype``, so no group's error is ever
+    above min-max's."""
+    w = w.float()
+    best_scale, best_zero = int4_group_params(w, dtype)
+    best_err = int4_group_error(w, best_scale, best_zero, importance)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    span = hi - lo
+    for low_trim in RANGE_TRIMS:
+        for high_trim in RANGE_TRIMS:
+            scale = ((span * (1 - low_trim - high_trim)) / 15.0).clamp(min=1e-8)
+            zero = lo + low_trim * span + 8.0 * scale
+            candidates = [(scale, zero)]
+            fitted_scale, fitted_zero = int4_fit_params(w, int4_round(w, scale, zero), importance)
+            usable = fitted_scale > 1e-8  # False for NaN: keep the trimmed parameters there
+            candidates.append((torch.where(usable, fitted_scale, scale), torch.where(usable, fitted_zero, zero)))
+            for cand_scale, cand_zero in candidates:
+                cand_scale, cand_zero = cand_scale.to(dtype), cand_zero.to(dtype)
+                err = int4_group_error(w, cand_scale, cand_zero, importance)
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_scale = torch.where(better, cand_scale, best_scale)
+                best_zero = torch.where(better, cand_zero, best_zero)
+    return best_scale, best_zero
+
+
+def quantize_int4_groupwise(weight: torch.Tensor, group_size: int, dtype: torch.dtype, range_search: bool = False,
+                            importance: torch.Tensor | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest: weight [N, K] -> (q int32 [N, Kp] in 0..15, scale, zero [N, Kp / group_size])."""
+    """Round-to-nearest: weight [N, K] -> (q int32 [N, Kp] in 0..15, scale, zero [N, Kp / group_size]).
+
+    ``range_search``: each group's parameters by :func:`int4_search_params` instead of min-max,
+    its error weighted per input column by ``importance`` [K] (e.g. the inputs' mean square)."""
     w = pad_to_groups(weight, group_size)
     groups = w.view(w.shape[0], -1, group_size)
-    scale, zero = int4_group_params(groups, dtype)
+    if range_search:
+        weights = None if importance is None else pad_to_groups(importance.float()[None], group_size).view(
+            1, -1, group_size)
+        scale, zero = int4_search_params(groups, dtype, weights)
+    else:
+        scale, zero = int4_group_params(groups, dtype)
     return int4_round(groups, scale, zero).view(w.shape), scale, zero
 
 

@@ -133,3 +133,34 @@ def test_cli_quantize_then_eval(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2].startswith("perplexity: ") and float(lines[-2].split()[1]) > 1.0
     assert lines[-1] == "tokens: 299"
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--method", "int4", "--no-range-search"], {"range_search": False, "activation_weighted": False}),
+    (["--method", "int4-gptq", "--no-act-order", "--calibration-samples", "2"], {"act_order": False}),
+    (["--method", "w8a8", "--smoothing-alpha", "none"], {"smoothing_alpha": None}),
+    (["--method", "w8a8", "--activation", "static", "--calibration-samples", "2"], {"smoothing_alpha": 0.85}),
+])
+def test_cli_method_options_reach_the_saved_config(tmp_path, args, expected):
+    import json
+
+    from tokenmill.cli import main
+
+    src = write_tiny_checkpoint(tmp_path / "src")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    from tokenmill.eval import corpus
+
+    with pytest.MonkeyPatch.context() as mp:  # calibration text: a local file instead of the corpus
+        mp.setattr(corpus, "fetch_corpus", lambda cache_dir=None: text)
+        assert main(["quantize", str(src), *args, "--out", str(tmp_path / "q"), "--dtype", "float32"]) == 0
+    saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert {k: saved[k] for k in expected} == expected
+
+
+def test_cli_rejects_a_bad_smoothing_alpha(tmp_path, capsys):
+    from tokenmill.cli import main
+
+    src = write_tiny_checkpoint(tmp_path / "src")
+    assert main(["quantize", str(src), "--method", "w8a8", "--smoothing-alpha", "lots", "--out", str(tmp_path / "q")]) == 2
+    assert "--smoothing-alpha" in capsys.readouterr().err

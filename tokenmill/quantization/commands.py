@@ -23,6 +23,16 @@ def add_quantize_parser(sub) -> None:
                    help="w8a8 static with --observer percentile: the percentile clipped at (default 99.99)")
     q.add_argument("--asymmetric", action="store_true",
                    help="w8a8: asymmetric activations (-128..127 with a zero point)")
+    q.add_argument("--smoothing-alpha", default=None, metavar="A",
+                   help="w8a8: SmoothQuant migration strength in [0, 1], 'auto' (0.5 dynamic, 0.85 static, the "
+                        "default) or 'none'")
+    q.add_argument("--no-range-search", action="store_true",
+                   help="int4, int4-gptq: plain min-max (scale, zero) per group instead of the error-minimising search")
+    q.add_argument("--activation-weighted", action="store_true",
+                   help="int4: weight the range search by each input's mean square on calibration text "
+                        "(always on for int4-gptq, which has its Hessian)")
+    q.add_argument("--no-act-order", action="store_true",
+                   help="int4-gptq: quantize columns left to right instead of by decreasing Hessian diagonal")
     q.add_argument("--out", required=True, metavar="DIR", help="output directory")
     q.add_argument("--dtype", default="bfloat16", help="dtype the quantized model computes in")
     q.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -57,11 +67,18 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     options: dict = {"method": args.method, "quantize_lm_head": not args.no_lm_head}
     if args.method.startswith("int4"):
-        options["group_size"] = args.group_size
+        options.update(group_size=args.group_size, range_search=not args.no_range_search)
+        if args.activation_weighted:
+            options["activation_weighted"] = True
+    if args.method == "int4-gptq" and args.no_act_order:
+        options["act_order"] = False
     if args.method == "w8a8":
         options.update(activation=args.activation, observer=args.observer, symmetric=not args.asymmetric)
         if args.percentile is not None:
             options["percentile"] = args.percentile
+        if args.smoothing_alpha is not None:
+            alpha = args.smoothing_alpha.lower()
+            options["smoothing_alpha"] = None if alpha == "none" else alpha if alpha == "auto" else _fraction(alpha)
     if args.calibration_samples is not None:
         options["calibration_samples" if args.method == "w8a8" else "num_samples"] = args.calibration_samples
     config = config_from_dict(options)
@@ -73,6 +90,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     out = save_quantized(loaded, args.out)
     print(f"wrote {out} ({config.method})")
     return 0
+
+
+def _fraction(text: str) -> float:
+    from tokenmill.errors import InvalidParameterError
+
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidParameterError(f"--smoothing-alpha must be a number in [0, 1], 'auto' or 'none', got {text!r}")
 
 
 def _with_kept_layers(args: argparse.Namespace, config):

@@ -170,3 +170,26 @@ def test_smollm2_perplexity_with_int8_kv_cache_within_1_percent(smollm2_gguf):
         ppl = perplexity(loaded.model, ids, progress=False, kv_cache_dtype=kind).perplexity
         assert ppl != base  # the quantized cache is really in the path
         assert abs(ppl / base - 1) <= bound, (kind, ppl, base)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_write_stores_exactly_what_quantize_rows_gives(kind, dtype):
+    """The C++ write (used on CPU when built) and the torch rounding (everywhere else) agree bit for bit."""
+    from tokenmill.kernels import cpu_ops
+
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("CPU kernels unavailable")
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(37, 3, 64, generator=g) * torch.logspace(-6, 3, 37)[:, None, None]).to(dtype)
+    x[4] = 0.0
+    slots = torch.randperm(80, generator=g)[:37]
+    rows = torch.zeros(80, 3, 64, dtype=KINDS[kind])
+    scales = torch.zeros(80, 3, dtype=torch.float16)
+    kernels.write_quantized_kv(x, slots, rows, scales)
+    q, scale = quantize_rows(x, KINDS[kind])
+    assert torch.equal(rows[slots].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(scales[slots], scale)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.write_quantized_kv(x[:1], torch.tensor([80]), rows, scales)

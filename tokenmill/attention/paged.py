@@ -84,20 +84,21 @@ class PagedLayer:
     def quantized(self) -> bool:
         return self.key_scales is not None
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new tokens' keys and values at ``slots``; returns them as the cache now holds them
-        (quantized storage: rounded), which is what the new tokens must attend to."""
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' keys and values [T, kv_heads, head_dim] at ``slots`` (quantized
+        storage: rounded to its grid, on CPU by tokenmill's kernel when built)."""
         if not self.quantized:
             self.key_slots.index_copy_(0, slots, k)
             self.value_slots.index_copy_(0, slots, v)
-            return k, v
-        out = []
+            return
+        ops = _cpu_ops() if k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16) else None
         for x, rows, scales in ((k, self.key_slots, self.key_scales), (v, self.value_slots, self.value_scales)):
+            if ops is not None:
+                ops.write_quantized_kv(x.contiguous(), slots, rows, scales.flatten(0, 1))
+                continue
             q, scale = quantize_rows(x, rows.dtype)
             as_bytes(rows).index_copy_(0, slots, as_bytes(q))
             scales.flatten(0, 1).index_copy_(0, slots, scale)
-            out.append(dequantize_rows(q, scale, x.dtype))
-        return out[0], out[1]
 
     def read(self, slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at ``slots`` in ``dtype``: [n, kv_heads, head_dim] each (a view for a
@@ -381,6 +382,13 @@ def _buckets(decodes: list[_Decode], block_size: int) -> list[list[_Decode]]:
 _EMPTY = torch.empty(0)
 
 
+def _cpu_ops():
+    """The compiled CPU kernels, or None (not built, or TOKENMILL_CPU_KERNELS=0)."""
+    from tokenmill.kernels import cpu_ops
+
+    return cpu_ops.load()
+
+
 def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
     return _EMPTY if t is None else t
 
@@ -421,8 +429,11 @@ class PagedAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedLayer,
                 meta: PagedAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-        k, v = cache.write(meta.slot_mapping[cache.group], k, v)
+        slots = meta.slot_mapping[cache.group]
+        cache.write(slots, k, v)
         plan = meta.plan(cache.group, sliding_window)
+        if cache.quantized and plan.prefills:  # new tokens attend to the values as stored
+            k, v = cache.read(slots, q.dtype)
         kernels = self._cpu_kernels(q) if plan.decode_seqs else None
         if kernels is not None:
             d = plan.kernel_decodes()

@@ -20,7 +20,8 @@ import torch
 
 logger = logging.getLogger("tokenmill.kernels")
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "int8_linear.cpp", "bindings.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name
+           for name in ("paged_attention.cpp", "int8_linear.cpp", "kv_write.cpp", "bindings.cpp")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 
 _lock = threading.Lock()

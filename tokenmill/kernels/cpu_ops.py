@@ -22,6 +22,7 @@ logger = logging.getLogger("tokenmill.kernels")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "int8_linear.cpp", "kv_write.cpp", "bindings.cpp")]
+HEADERS = [Path(__file__).parent / "cpu" / "simd.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -36,7 +37,7 @@ def enabled() -> bool:
 def build_dir() -> Path:
     """One directory per (sources, flags, torch, machine): a change to any rebuilds."""
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     digest.update(" ".join(FLAGS + [torch.__version__, platform.machine(), platform.processor()]).encode())
     from tokenmill.loading.sources import default_cache_dir

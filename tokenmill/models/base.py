@@ -7,6 +7,8 @@ to the rows that need logits (usually each sequence's last token).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -20,6 +22,9 @@ class CausalLM(nn.Module):
     """Embedding, a stack of blocks built by ``make_block``, final norm and LM head."""
 
     norm_cast_before_scale = True
+    use_fused_decode = True
+    """One-call decode steps on CPU where they apply (tokenmill.models.fused_decode); False keeps
+    the layer-by-layer path, which gives the same results (for tests and profiling)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -32,6 +37,8 @@ class CausalLM(nn.Module):
         self.rotary_global = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
         self.rotary_local = Rotary(cfg.head_dim, local_theta, None if cfg.rope_local_theta else cfg.rope_scaling)
+        # KV cache -> its FusedDecoder (or None: not available); weak, so a dropped cache frees its pool
+        self._fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def make_block(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> nn.Module:
         raise NotImplementedError
@@ -49,10 +56,29 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         rope_global = self.rotary_global(positions, h.dtype)
         rope_local = self.rotary_local(positions, h.dtype) if self.config.rope_local_theta else rope_global
+        decode_only = meta is not None and meta.query_start_loc[-1] == meta.num_seqs
+        fused = self.fused_decoder(kv_cache) if decode_only and self.use_fused_decode and not torch.is_grad_enabled() \
+            else None
+        if fused is not None:
+            return fused.run(h, [rope_global, rope_local], meta)
         for i, block in enumerate(self.layers):
             rope = rope_local if self.config.layer_type(i) == "sliding" else rope_global
             h = block(h, rope, kv_cache.layer(i), meta)
         return h
+
+    def fused_decoder(self, kv_cache: KVCache):
+        """The one-call decode stack over ``kv_cache`` (tokenmill.models.fused_decode), None where
+        it does not apply; built on first use and when the model's linear modules change."""
+        from tokenmill.models.fused_decode import FusedDecoder
+
+        try:
+            fused = self._fused.get(kv_cache, False)
+        except TypeError:  # not weak-referenceable: not a PagedKVCache
+            return None
+        if fused is False or (fused is not None and not fused.current_for(self)):
+            fused = FusedDecoder.build(self, kv_cache)
+            self._fused[kv_cache] = fused
+        return fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""

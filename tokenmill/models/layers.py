@@ -11,6 +11,17 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.paged import PagedAttentionMetadata, PagedLayer
 from tokenmill.config import ModelConfig, RopeScaling
+from tokenmill.kernels import cpu_ops
+
+
+def cpu_kernels(x: torch.Tensor, *params: torch.Tensor):
+    """tokenmill's compiled CPU kernels when they can run an operation on ``x``: a float32 or
+    bfloat16 CPU tensor and no gradient wanted (QAT trains through the PyTorch path); else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return None
+    return cpu_ops.load()
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +39,9 @@ class RMSNorm(nn.Module):
         self.cast_before_scale = cast_before_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_kernels(x, self.weight)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps, self.cast_before_scale)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.cast_before_scale:
@@ -82,7 +96,11 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        ops = cpu_kernels(gate_up)
+        if ops is not None and gate_up.dim() == 2:
+            return self.down(ops.act_mul(gate_up, self.act != "silu"))
+        gate, up = gate_up.chunk(2, dim=-1)
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return self.down(gate * up)
 
@@ -105,13 +123,23 @@ class Attention(nn.Module):
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_cast_before_scale) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_cast_before_scale) if cfg.qk_norm else None
+        self.norm_cast_before_scale = norm_cast_before_scale
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.sliding_window = cfg.sliding_window if cfg.layer_type(layer_index) == "sliding" else None
         self.backend = backend
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: PagedLayer, meta: PagedAttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        qkv = self.qkv(x)
+        ops = cpu_kernels(qkv, *(n.weight for n in (self.q_norm, self.k_norm) if n is not None))
+        if ops is not None:
+            q, k, v = ops.qkv_rope(qkv, self.n_heads, self.n_kv_heads, self.head_dim, *rope,
+                                   None if self.q_norm is None else self.q_norm.weight,
+                                   None if self.k_norm is None else self.k_norm.weight,
+                                   self.q_norm.eps if self.q_norm is not None else 0.0, self.norm_cast_before_scale)
+            out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
+            return self.o(out.reshape(-1, self.n_heads * self.head_dim))
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(-1, self.n_heads, self.head_dim)
         k = k.view(-1, self.n_kv_heads, self.head_dim)
         v = v.view(-1, self.n_kv_heads, self.head_dim)

@@ -4,7 +4,9 @@ INT8 weight-only: on CPU tokenmill's ``int8_weight_linear`` (tokenmill/kernels/c
 the weights read once per call whatever the number of rows; PyTorch's ``_weight_int8pack_mm``
 reads them once per row, 2.4x slower at 32 rows in bfloat16 and 20x in float32), else
 ``torch._weight_int8pack_mm(x, w_int8 [N, K], scales [N])`` (CUDA, or CPU without the kernels).
-INT4 weight-only: the tinygemm convention on both devices, ``w = (q - 8) * scale + zero`` with
+INT4 weight-only: on CPU with AVX-512 BF16, tokenmill's ``int4_weight_linear``
+(tokenmill/kernels/cpu/int4_linear.cpp, layout built by :func:`int4_cpu_pack`), else the tinygemm
+convention on both devices, ``w = (q - 8) * scale + zero`` with
 q in 0..15 and one (scale, zero) per group of ``group_size`` input columns; the weight is
 repacked once into each device's own layout (``_convert_weight_to_int4pack_for_cpu`` /
 ``_convert_weight_to_int4pack``) and multiplied by ``_weight_int4pack_mm_for_cpu`` /
@@ -89,3 +91,25 @@ def int4_weight_mm(x: torch.Tensor, kernel_weight: torch.Tensor, group_size: int
     if x.device.type == "cuda":
         return torch._weight_int4pack_mm(x, kernel_weight, group_size, scales_and_zeros)
     return torch._weight_int4pack_mm_for_cpu(x, kernel_weight, group_size, scales_and_zeros)
+
+
+def int4_cpu_kernels():
+    """tokenmill's compiled CPU kernels when their fast INT4 path is built (AVX-512 BF16), else None."""
+    from tokenmill.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    return ops if ops is not None and ops.int4_linear_fast() else None
+
+
+def int4_cpu_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Portable nibbles uint8 [N, Kp / 2], scale and zero [N, G] (N % 16 == 0) -> the layout of
+    tokenmill's CPU kernel: weights uint8 [N / 16, Kp / 4, 32], where chunk c of a 16-row tile holds
+    byte 2r + j = q[r, 4c + j] | q[r, 4c + 2 + j] << 4, and scales/zeros [N / 16, G, 2, 16]
+    (bfloat16 kept as is, any other dtype as float32)."""
+    n = packed.shape[0]
+    q = unpack_nibbles(packed).to(torch.uint8)  # [N, Kp]
+    q = q.view(n // 16, 16, -1, 2, 2)  # tile, row, chunk, (low | high nibble), j
+    weight = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // 16, -1, 32).contiguous()
+    dtype = scale.dtype if scale.dtype == torch.bfloat16 else torch.float32
+    sz = torch.stack((scale, zero)).to(dtype).view(2, n // 16, 16, -1).permute(1, 3, 0, 2).contiguous()
+    return weight, sz

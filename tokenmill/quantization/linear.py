@@ -104,6 +104,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("zero", zero)
         self._kernel_weight: torch.Tensor | None = None
         self._scales_and_zeros: torch.Tensor | None = None
+        self._cpu_ops = None
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int,
@@ -127,8 +128,12 @@ class Int4Linear(QuantizedLinear):
         """The kernels take N in multiples of 16: extra rows (q = 0, scale = zero = 0) are cut from the output."""
         pad = -self.out_features % 16
         qweight, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (self.qweight, self.scale, self.zero))
-        self._kernel_weight = kernels.int4_kernel_weight(qweight)
-        self._scales_and_zeros = kernels.int4_scales_and_zeros(scale, zero)
+        self._cpu_ops = kernels.int4_cpu_kernels() if qweight.device.type == "cpu" else None
+        if self._cpu_ops is not None:  # tokenmill's kernel: its own layout
+            self._kernel_weight, self._scales_and_zeros = kernels.int4_cpu_pack(qweight, scale, zero)
+        else:
+            self._kernel_weight = kernels.int4_kernel_weight(qweight)
+            self._scales_and_zeros = kernels.int4_scales_and_zeros(scale, zero)
         return self
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +141,13 @@ class Int4Linear(QuantizedLinear):
             raise RuntimeError("Int4Linear used before prepare()")
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
-        y = kernels.int4_weight_mm(x.contiguous(), self._kernel_weight, self.group_size, self._scales_and_zeros)
+        if self._cpu_ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+            y = self._cpu_ops.int4_weight_linear(x, self._kernel_weight, self._scales_and_zeros, self.group_size, False)
+        elif self._cpu_ops is not None:  # float16 and others: in float32
+            y = self._cpu_ops.int4_weight_linear(x.float(), self._kernel_weight, self._scales_and_zeros,
+                                                 self.group_size, False).to(x.dtype)
+        else:
+            y = kernels.int4_weight_mm(x.contiguous(), self._kernel_weight, self.group_size, self._scales_and_zeros)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
     def dequantize(self) -> torch.Tensor:

@@ -1,0 +1,306 @@
+// The decoder layer's small operations on CPU, and a whole decode step of a Llama- or Gemma-style
+// stack in one call. Built at first use by tokenmill/kernels/cpu_ops.py.
+//
+// rms_norm, qkv_rope and act_mul are what tokenmill/models/layers.py calls on CPU for every
+// step (prefill and decode), instead of 5 to 10 PyTorch operations each. DecodeStack runs a
+// step in which every sequence has one new token through all the layers without returning to
+// Python, calling the very same functions in the same order (and the same linear, KV-write and
+// attention kernels), so its results are bit-identical to the layer-by-layer path; what it
+// saves is the interpreter and dispatch time between them, about half of a batch-1 decode step
+// of a 135M model before it existed.
+//
+// Rounding: every operation computes in float32 and rounds once to the model dtype, except
+// where the PyTorch model rounds in between on purpose (Llama's RMSNorm casts before applying
+// its weight, Gemma's after; see RMSNorm in layers.py).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor key_scale, torch::Tensor value_scale, torch::Tensor block_tables,
+                                     torch::Tensor key_start, torch::Tensor key_end, double scale, bool generic);
+torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, bool generic);
+torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size,
+                                 bool generic);
+void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows, torch::Tensor scales);
+
+namespace {
+
+inline float to_f(float v) { return v; }
+inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T round_to(float v) {
+  return static_cast<T>(v);
+}
+
+// One row of C values: out = norm(x) * w, rounded as the model does.
+template <typename T, typename W>
+inline void rms_row(const T* x, const W* w, T* out, int64_t C, float eps, bool cast_before_scale) {
+  float ss = 0.f;
+  for (int64_t c = 0; c < C; ++c) {
+    const float v = to_f(x[c]);
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
+  if (cast_before_scale) {
+    for (int64_t c = 0; c < C; ++c) out[c] = round_to<T>(to_f(round_to<T>(to_f(x[c]) * inv)) * to_f(w[c]));
+  } else {
+    for (int64_t c = 0; c < C; ++c) out[c] = round_to<T>(to_f(x[c]) * inv * to_f(w[c]));
+  }
+}
+
+template <typename T, typename W>
+void rms_rows(const T* x, const W* w, T* out, int64_t rows, int64_t C, float eps, bool cast_before_scale) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / C), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_row(x + r * C, w, out + r * C, C, eps, cast_before_scale);
+  });
+}
+
+#define TM_DISPATCH_FLOAT(TYPE, NAME, ...)                                        \
+  [&] {                                                                           \
+    if ((TYPE) == torch::kFloat32) {                                              \
+      using NAME = float;                                                         \
+      return __VA_ARGS__();                                                       \
+    }                                                                             \
+    TORCH_CHECK((TYPE) == torch::kBFloat16, "expected float32 or bfloat16 data"); \
+    using NAME = at::BFloat16;                                                    \
+    return __VA_ARGS__();                                                         \
+  }()
+
+}  // namespace
+
+// x [..., C] float32 or bfloat16; weight [C] float32 or x's dtype.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool cast_before_scale) {
+  const int64_t C = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == C, "rms_norm: weight must be [", C, "]");
+  auto xc = x.contiguous(), wc = weight.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t rows = C ? xc.numel() / C : 0;
+  TM_DISPATCH_FLOAT(xc.scalar_type(), T, [&] {
+    TM_DISPATCH_FLOAT(wc.scalar_type(), W, [&] {
+      rms_rows(xc.data_ptr<T>(), wc.data_ptr<W>(), out.data_ptr<T>(), rows, C, static_cast<float>(eps),
+               cast_before_scale);
+    });
+  });
+  return out;
+}
+
+namespace {
+
+// Rotate-half RoPE of one head in place: x[d] * cos[d] + rot[d] * sin[d], rot = (-x2, x1).
+template <typename T>
+inline void rope_head(T* x, const T* cos, const T* sin, int64_t D) {
+  const int64_t half = D / 2;
+  float tmp[512];
+  for (int64_t d = 0; d < D; ++d) tmp[d] = to_f(x[d]);
+  for (int64_t d = 0; d < half; ++d) {
+    x[d] = round_to<T>(tmp[d] * to_f(cos[d]) - tmp[d + half] * to_f(sin[d]));
+    x[d + half] = round_to<T>(tmp[d + half] * to_f(cos[d + half]) + tmp[d] * to_f(sin[d + half]));
+  }
+}
+
+}  // namespace
+
+// qkv [T, (H + 2 Hkv) D] (one linear's output) -> q [T, H, D], k [T, Hkv, D] with QK-norm (when
+// its weights are given) and RoPE applied, v [T, Hkv, D]; cos/sin [T, D] in qkv's dtype.
+std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, int64_t H, int64_t Hkv, int64_t D, torch::Tensor cos,
+                                    torch::Tensor sin, std::optional<torch::Tensor> q_norm,
+                                    std::optional<torch::Tensor> k_norm, double eps, bool cast_before_scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv_rope: qkv must be [T, (H + 2 Hkv) D]");
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "qkv_rope: head_dim must be even and at most 512");
+  const int64_t T_ = qkv.size(0);
+  TORCH_CHECK(cos.size(0) == T_ && cos.size(1) == D && sin.sizes() == cos.sizes(), "qkv_rope: cos/sin must be [T, D]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "qkv_rope: give both QK-norm weights or neither");
+  auto src = qkv.contiguous();
+  auto opts = src.options();
+  auto q = torch::empty({T_, H, D}, opts), k = torch::empty({T_, Hkv, D}, opts), v = torch::empty({T_, Hkv, D}, opts);
+  auto cs = cos.to(src.scalar_type()).contiguous(), sn = sin.to(src.scalar_type()).contiguous();
+  torch::Tensor qn, kn;
+  if (q_norm) qn = q_norm->contiguous(), kn = k_norm->contiguous();
+  TM_DISPATCH_FLOAT(src.scalar_type(), T, [&] {
+    const T* s = src.data_ptr<T>();
+    T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+    const T *cp = cs.data_ptr<T>(), *sp = sn.data_ptr<T>();
+    const int64_t row = (H + 2 * Hkv) * D;
+    auto work = [&](auto* qw, auto* kw) {
+      at::parallel_for(0, T_, std::max<int64_t>(1, 4096 / row), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const T* in = s + t * row;
+          for (int64_t h = 0; h < H + Hkv; ++h) {
+            T* out = h < H ? qp + (t * H + h) * D : kp + (t * Hkv + h - H) * D;
+            if (qw) rms_row(in + h * D, h < H ? qw : kw, out, D, static_cast<float>(eps), cast_before_scale);
+            else std::copy(in + h * D, in + (h + 1) * D, out);
+            rope_head(out, cp + t * D, sp + t * D, D);
+          }
+          std::copy(in + (H + Hkv) * D, in + row, vp + t * Hkv * D);
+        }
+      });
+    };
+    if (!q_norm) {
+      work(static_cast<const T*>(nullptr), static_cast<const T*>(nullptr));
+    } else {
+      TM_DISPATCH_FLOAT(qn.scalar_type(), W, [&] { work(qn.data_ptr<W>(), kn.data_ptr<W>()); });
+    }
+  });
+  return {q, k, v};
+}
+
+// gate_up [T, 2 I] -> act(gate) * up [T, I]; act: silu, or gelu with the tanh approximation.
+torch::Tensor act_mul(torch::Tensor gate_up, bool gelu_tanh) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "act_mul: gate_up must be [T, 2 I]");
+  auto src = gate_up.contiguous();
+  const int64_t T_ = src.size(0), I = src.size(1) / 2;
+  auto out = torch::empty({T_, I}, src.options());
+  TM_DISPATCH_FLOAT(src.scalar_type(), T, [&] {
+    const T* s = src.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    at::parallel_for(0, T_, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* g = s + t * 2 * I;
+        const T* u = g + I;
+        T* y = o + t * I;
+        if (gelu_tanh) {
+          for (int64_t i = 0; i < I; ++i) {
+            const float x = to_f(g[i]);
+            const float a = 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+            y[i] = round_to<T>(a * to_f(u[i]));
+          }
+        } else {
+          for (int64_t i = 0; i < I; ++i) {
+            const float x = to_f(g[i]);
+            y[i] = round_to<T>(x / (1.f + std::exp(-x)) * to_f(u[i]));
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// One linear layer as the model holds it: dense (at::linear), or tokenmill's int8 / int4 kernels.
+struct Linear {
+  int64_t kind = 0;  // 0 dense, 1 int8 weight-only, 2 int4 weight-only
+  torch::Tensor weight, scales, bias;
+  int64_t group_size = 0, out_features = 0, padded_in = 0;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == 0) return at::linear(x, weight, bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt);
+    torch::Tensor y;
+    if (kind == 1) {
+      y = int8_weight_linear(x, weight, scales, false);
+    } else {
+      const auto xp = x.size(1) == padded_in ? x : at::constant_pad_nd(x, {0, padded_in - x.size(1)});
+      y = int4_weight_linear(xp, weight, scales, group_size, false);
+      if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
+    }
+    return bias.defined() ? y + bias : y;
+  }
+};
+
+struct Layer {
+  Linear qkv, o, gate_up, down;
+  torch::Tensor attn_norm, ffn_norm, post_attn_norm, post_ffn_norm, q_norm, k_norm;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, plan = 0;
+  double scale = 1.0;
+  bool gelu_tanh = false;
+  torch::Tensor keys, values, key_scales, value_scales;  // this layer's cache blocks
+};
+
+// A stack of decoder layers bound to one KV cache: run() takes the hidden states of a step whose
+// sequences all have one new token and returns them after the last layer (before the final norm).
+class DecodeStack {
+ public:
+  DecodeStack(double eps, bool cast_before_scale) : eps_(eps), cast_(cast_before_scale) {}
+
+  void add_layer(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qk_norms,
+                 std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor, std::optional<torch::Tensor>, int64_t,
+                                        int64_t, int64_t>>
+                     linears,
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool gelu_tanh, int64_t rope,
+                 int64_t plan, std::vector<torch::Tensor> cache) {
+    TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "norms: attn, ffn (and post_attn, post_ffn)");
+    TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2, "qk_norms: none or q and k");
+    TORCH_CHECK(linears.size() == 4, "linears: qkv, o, gate_up, down");
+    TORCH_CHECK(cache.size() == 2 || cache.size() == 4, "cache: keys, values (and their scales)");
+    Layer l;
+    l.attn_norm = norms[0], l.ffn_norm = norms[1];
+    if (norms.size() == 4) l.post_attn_norm = norms[2], l.post_ffn_norm = norms[3];
+    if (!qk_norms.empty()) l.q_norm = qk_norms[0], l.k_norm = qk_norms[1];
+    Linear* slots[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (int i = 0; i < 4; ++i) {
+      auto& [kind, w, s, b, gs, out_features, padded_in] = linears[i];
+      TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (dense), 1 (int8) or 2 (int4)");
+      *slots[i] = Linear{kind, w, s, b.has_value() ? *b : torch::Tensor(), gs, out_features, padded_in};
+    }
+    l.heads = heads, l.kv_heads = kv_heads, l.head_dim = head_dim, l.scale = scale, l.gelu_tanh = gelu_tanh;
+    l.rope = rope, l.plan = plan;
+    l.keys = cache[0], l.values = cache[1];
+    if (cache.size() == 4) l.key_scales = cache[2], l.value_scales = cache[3];
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h [B, hidden]; ropes: (cos, sin) [B, head_dim] per RoPE table; plans: per attention plan
+  // (slots int64 [B], block_tables int32 [B, W], key_start, key_end int32 [B]).
+  torch::Tensor run(torch::Tensor h, std::vector<std::pair<torch::Tensor, torch::Tensor>> ropes,
+                    std::vector<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>> plans) const {
+    const int64_t B = h.size(0);
+    for (const Layer& l : layers_) {
+      TORCH_CHECK(l.rope < static_cast<int64_t>(ropes.size()) && l.plan < static_cast<int64_t>(plans.size()),
+                  "DecodeStack.run: missing RoPE table or attention plan");
+      const auto& [cos, sin] = ropes[l.rope];
+      const auto& [slots, tables, start, end] = plans[l.plan];
+      auto x = rms_norm(h, l.attn_norm, eps_, cast_);
+      auto qkv = qkv_rope(l.qkv(x), l.heads, l.kv_heads, l.head_dim, cos, sin,
+                          l.q_norm.defined() ? std::optional<torch::Tensor>(l.q_norm) : std::nullopt,
+                          l.k_norm.defined() ? std::optional<torch::Tensor>(l.k_norm) : std::nullopt, eps_, cast_);
+      write_kv(l, slots, qkv[1], qkv[2]);
+      auto attn = paged_decode_attention(qkv[0], l.keys, l.values, l.key_scales.defined() ? l.key_scales : empty_,
+                                         l.value_scales.defined() ? l.value_scales : empty_, tables, start, end,
+                                         l.scale, false);
+      auto a = l.o(attn.view({B, l.heads * l.head_dim}));
+      if (l.post_attn_norm.defined()) a = rms_norm(a, l.post_attn_norm, eps_, cast_);
+      h = h + a;
+      auto m = l.down(act_mul(l.gate_up(rms_norm(h, l.ffn_norm, eps_, cast_)), l.gelu_tanh));
+      if (l.post_ffn_norm.defined()) m = rms_norm(m, l.post_ffn_norm, eps_, cast_);
+      h = h + m;
+    }
+    return h;
+  }
+
+ private:
+  // As PagedLayer.write: index_copy_ into the slot view, or the quantized write.
+  static void write_kv(const Layer& l, const torch::Tensor& slots, const torch::Tensor& k, const torch::Tensor& v) {
+    if (!l.key_scales.defined()) {
+      l.keys.flatten(0, 1).index_copy_(0, slots, k);
+      l.values.flatten(0, 1).index_copy_(0, slots, v);
+      return;
+    }
+    write_quantized_kv(k, slots, l.keys.flatten(0, 1), l.key_scales.flatten(0, 1));
+    write_quantized_kv(v, slots, l.values.flatten(0, 1), l.value_scales.flatten(0, 1));
+  }
+
+  double eps_;
+  bool cast_;
+  std::vector<Layer> layers_;
+  torch::Tensor empty_ = torch::empty({0});
+};
+
+void bind_decoder(pybind11::module& m) {
+  namespace py = pybind11;
+  m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension (CPU)");
+  m.def("qkv_rope", &qkv_rope, "split a fused QKV output into heads, QK-norm and RoPE (CPU)");
+  m.def("act_mul", &act_mul, "act(gate) * up of a fused gate_up output (CPU)");
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<double, bool>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());
+}

@@ -21,6 +21,8 @@
 #include <optional>
 #include <vector>
 
+#include "simd.h"
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor key_scale, torch::Tensor value_scale, torch::Tensor block_tables,
                                      torch::Tensor key_start, torch::Tensor key_end, double scale, bool generic);
@@ -151,8 +153,43 @@ std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, int64_t H, int64_t Hkv, i
   return {q, k, v};
 }
 
+namespace {
+
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+inline float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
+  // round to nearest even, as c10::BFloat16(float) does for finite values
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
+
+// act(g) * u for 16 values: silu(g) = g / (1 + e^-g); gelu_tanh(g) = g / (1 + e^(-2a)), with
+// a = sqrt(2 / pi) (g + 0.044715 g^3) (0.5 (1 + tanh a) = 1 / (1 + e^(-2a))).
+inline __m512 act_mul16(__m512 g, __m512 u, bool gelu) {
+  __m512 z = gelu ? _mm512_mul_ps(_mm512_set1_ps(-1.5957691216057308f),
+                                  _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g))
+                  : _mm512_sub_ps(_mm512_setzero_ps(), g);
+  const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(z)));
+  return _mm512_mul_ps(act, u);
+}
+#endif
+
+}  // namespace
+
 // gate_up [T, 2 I] -> act(gate) * up [T, I]; act: silu, or gelu with the tanh approximation.
-torch::Tensor act_mul(torch::Tensor gate_up, bool gelu_tanh) {
+torch::Tensor act_mul(torch::Tensor gate_up, bool gelu_tanh_act) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "act_mul: gate_up must be [T, 2 I]");
   auto src = gate_up.contiguous();
   const int64_t T_ = src.size(0), I = src.size(1) / 2;
@@ -160,23 +197,22 @@ torch::Tensor act_mul(torch::Tensor gate_up, bool gelu_tanh) {
   TM_DISPATCH_FLOAT(src.scalar_type(), T, [&] {
     const T* s = src.data_ptr<T>();
     T* o = out.data_ptr<T>();
-    at::parallel_for(0, T_, std::max<int64_t>(1, 16384 / I), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, T_, std::max<int64_t>(1, 65536 / I), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const T* g = s + t * 2 * I;
         const T* u = g + I;
         T* y = o + t * I;
-        if (gelu_tanh) {
-          for (int64_t i = 0; i < I; ++i) {
-            const float x = to_f(g[i]);
-            const float a = 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-            y[i] = round_to<T>(a * to_f(u[i]));
-          }
-        } else {
-          for (int64_t i = 0; i < I; ++i) {
-            const float x = to_f(g[i]);
-            y[i] = round_to<T>(x / (1.f + std::exp(-x)) * to_f(u[i]));
-          }
+#if defined(__AVX512F__)
+        for (int64_t i = 0; i < I; i += 16) {
+          const __mmask16 m = I - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (I - i)) - 1);
+          store16(y + i, act_mul16(load16(g + i, m), load16(u + i, m), gelu_tanh_act), m);
         }
+#else
+        for (int64_t i = 0; i < I; ++i) {
+          const float x = to_f(g[i]);
+          y[i] = round_to<T>((gelu_tanh_act ? gelu_tanh(x) : silu(x)) * to_f(u[i]));
+        }
+#endif
       }
     });
   });

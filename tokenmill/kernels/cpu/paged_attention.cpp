@@ -141,24 +141,6 @@ inline __m512 load16(const Fp8* p) {
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
-// e^x for x <= 0 (scores minus their running max), about 2 ulp: e^x = 2^n * e^f with
-// n = round(x / ln 2) and |f| <= ln 2 / 2, e^f by a degree-6 polynomial.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // One tile's step of the online softmax for W heads: s[j] (scores, -inf where no key) becomes
 // e^(s - new max); the running sums and the accumulators are rescaled by e^(old max - new max).
 template <int W, int C>

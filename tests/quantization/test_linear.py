@@ -125,3 +125,22 @@ def test_leading_dimensions_are_kept():
     x = torch.randn(2, 3, 256)
     assert layer(x).shape == (2, 3, 192)
     _close(layer(x), x @ layer.dequantize().T, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int8_scale_search_never_increases_a_row_error(dtype):
+    """Heavy-tailed rows (Student t): on some rows clipping the largest values lowers the error of
+    the rest (with 255 levels, rarely by much: SmolLM2's perplexity through int8 went from +1.02% to
+    +0.90%); on no row does the search do worse than absmax."""
+    torch.manual_seed(0)
+    w = torch.distributions.StudentT(3.0).sample((64, 576)) * 0.02
+    errors = []
+    for search in (False, True):
+        layer = Int8Linear.from_float(w, None, dtype, scale_search=search)
+        errors.append(((layer.dequantize() - w) ** 2).sum(1))
+    plain, searched = errors
+    assert (searched <= plain * (1 + 1e-6)).all()
+    assert (searched < plain * (1 - 1e-3)).sum() >= 4
+    # the scale rounded to the model dtype is the one the weights were rounded with
+    layer = Int8Linear.from_float(w, None, dtype, scale_search=True)
+    assert layer.scale.dtype == dtype and layer.qweight.abs().max() <= 127

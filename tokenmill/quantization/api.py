@@ -85,7 +85,7 @@ def kept_module(config: QuantConfig, target: Target, dtype: torch.dtype) -> Quan
     None for int8 and w8a8 (the float nn.Linear stays, cast to the model dtype; a tied head stays
     the embedding matrix)."""
     if isinstance(config, Int4WeightOnlyConfig):
-        return Int8Linear.from_float(target.weight, target.bias, dtype)
+        return Int8Linear.from_float(target.weight, target.bias, dtype, config.range_search)
     return None
 
 
@@ -155,7 +155,7 @@ def replace_each(model: CausalLM, targets: list[Target], make: Callable[[Target]
 @register(Int8WeightOnlyConfig)
 def _int8_weight_only(model: CausalLM, config: Int8WeightOnlyConfig, targets: list[Target],
                       ctx: QuantizeContext) -> None:
-    replace_each(model, targets, lambda t: Int8Linear.from_float(t.weight, t.bias, ctx.dtype),
+    replace_each(model, targets, lambda t: Int8Linear.from_float(t.weight, t.bias, ctx.dtype, config.scale_search),
                  ctx.progress, "quantizing int8")
 
 
@@ -171,7 +171,7 @@ def _int4_weight_only(model: CausalLM, config: Int4WeightOnlyConfig, targets: li
 
     def make(t: Target) -> QuantizedLinear:
         if t.name == "lm_head" and config.lm_head_int8:
-            return Int8Linear.from_float(t.weight, t.bias, ctx.dtype)
+            return Int8Linear.from_float(t.weight, t.bias, ctx.dtype, config.range_search)
         return Int4Linear.from_float(t.weight, t.bias, ctx.dtype, config.group_size, config.range_search,
                                      importance.get(t.name))
 

@@ -27,7 +27,8 @@ def add_quantize_parser(sub) -> None:
                    help="w8a8: SmoothQuant migration strength in [0, 1], 'auto' (0.5 dynamic, 0.85 static, the "
                         "default) or 'none'")
     q.add_argument("--no-range-search", action="store_true",
-                   help="int4, int4-gptq: plain min-max (scale, zero) per group instead of the error-minimising search")
+                   help="int4, int4-gptq: plain min-max (scale, zero) per group instead of the error-minimising "
+                        "search; int8: plain absmax scales")
     q.add_argument("--activation-weighted", action="store_true",
                    help="int4: weight the range search by each input's mean square on calibration text "
                         "(always on for int4-gptq, which has its Hessian)")
@@ -66,6 +67,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from tokenmill.quantization import config_from_dict, quantize, save_quantized
 
     options: dict = {"method": args.method, "quantize_lm_head": not args.no_lm_head}
+    if args.method == "int8":
+        options["scale_search"] = not args.no_range_search
     if args.method.startswith("int4"):
         options.update(group_size=args.group_size, range_search=not args.no_range_search)
         if args.activation_weighted:

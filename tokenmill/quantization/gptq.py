@@ -239,7 +239,7 @@ def _int4_gptq(model: CausalLM, config: Int4GPTQConfig, targets: list[Target], c
     if "lm_head" in by_name:
         head = by_name["lm_head"]
         if config.lm_head_int8:
-            set_module(model, "lm_head", Int8Linear.from_float(head.weight, head.bias, ctx.dtype))
+            set_module(model, "lm_head", Int8Linear.from_float(head.weight, head.bias, ctx.dtype, config.range_search))
         else:
             with torch.inference_mode():
                 final = torch.cat([model.norm(h) for h in hidden]).float()

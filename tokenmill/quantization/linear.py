@@ -76,8 +76,10 @@ class Int8Linear(QuantizedLinear):
                    torch.empty(out_features, dtype=dtype, device=device) if bias else None)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
-        q, scale = quantize_int8_per_channel(weight, dtype)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                   scale_search: bool = False) -> Int8Linear:
+        """``scale_search``: each row's scale searched (see :func:`quantize_int8_per_channel`)."""
+        q, scale = quantize_int8_per_channel(weight, dtype, scale_search)
         return cls(q, scale, None if bias is None else bias.to(dtype)).prepare()
 
     def prepare(self) -> Int8Linear:
@@ -249,13 +251,31 @@ class W8A8Linear(QuantizedLinear):
 
 # --------------------------------------------------------------------------- the arithmetic
 
-def quantize_int8_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+INT8_CLIP_RATIOS = torch.linspace(0.70, 1.0, 31).tolist()
+"""Scale search of INT8 weights: each row's scale is absmax / 127 times one of these."""
+
+
+def quantize_int8_per_channel(weight: torch.Tensor, dtype: torch.dtype,
+                              search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (int8 q [N, K], scale [N] in ``dtype``), symmetric: q in -127..127.
 
     The scale is rounded to ``dtype`` before q is computed, so q is the best choice for the
-    scale the kernel will actually use."""
+    scale the kernel will actually use. ``search``: each row's scale is the one among
+    absmax / 127 x :data:`INT8_CLIP_RATIOS` (clipping its largest values) with the least squared
+    rounding error; ratio 1 is among them, so the error never exceeds plain absmax's."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(dtype)
+    amax = w.abs().amax(dim=1).clamp(min=1e-10 * 127)
+    scale = (amax / 127.0).to(dtype)
+    if search:
+        best = torch.full_like(amax, float("inf"))
+        for lo in range(0, w.shape[0], 4096):  # row chunks: a few [4096, K] temporaries at a time
+            rows, a = w[lo:lo + 4096], amax[lo:lo + 4096]
+            for ratio in INT8_CLIP_RATIOS:
+                s = (a * ratio / 127.0).to(dtype)
+                err = ((torch.round(rows / s.float()[:, None]).clamp(-127, 127) * s.float()[:, None] - rows) ** 2).sum(1)
+                better = err < best[lo:lo + 4096]
+                best[lo:lo + 4096] = torch.where(better, err, best[lo:lo + 4096])
+                scale[lo:lo + 4096] = torch.where(better, s, scale[lo:lo + 4096])
     q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
 

@@ -132,7 +132,7 @@ class Attention(nn.Module):
                 cache: PagedLayer, meta: PagedAttentionMetadata) -> torch.Tensor:
         qkv = self.qkv(x)
         ops = cpu_kernels(qkv, *(n.weight for n in (self.q_norm, self.k_norm) if n is not None))
-        if ops is not None:
+        if ops is not None and qkv.dim() == 2:
             q, k, v = ops.qkv_rope(qkv, self.n_heads, self.n_kv_heads, self.head_dim, *rope,
                                    None if self.q_norm is None else self.q_norm.weight,
                                    None if self.k_norm is None else self.k_norm.weight,

@@ -161,20 +161,6 @@ inline float gelu_tanh(float x) {
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
-  // round to nearest even, as c10::BFloat16(float) does for finite values
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
-
 // act(g) * u for 16 values: silu(g) = g / (1 + e^-g); gelu_tanh(g) = g / (1 + e^(-2a)), with
 // a = sqrt(2 / pi) (g + 0.044715 g^3) (0.5 (1 + tanh a) = 1 / (1 + e^(-2a))).
 inline __m512 act_mul16(__m512 g, __m512 u, bool gelu) {

@@ -57,12 +57,6 @@ struct Problem {
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kFast = true;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // bfloat16 of 0..15, twice: vpermw reads the low 5 bits of each index word, so a byte's low
 // nibble indexes it directly whatever bit 4 is.
 inline __m512i nibble_table() {

@@ -22,19 +22,6 @@
 namespace {
 
 #if defined(__AVX512F__)
-inline __m512 int8x16_to_float(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-inline void store_out16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-
-inline void store_out16(at::BFloat16* p, __m512 v, __mmask16 mask) {
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  for (int i = 0; i < 16; ++i)
-    if (mask >> i & 1) p[i] = at::BFloat16(tmp[i]);
-}
-
 // x rows as float32 (converted once per call): xf [M, K]. Rows of x in blocks of MB, weight rows
 // one at a time with CH independent FMA chains, the 16 rows' partial vectors reduced together.
 template <int MB, int CH>
@@ -52,13 +39,13 @@ inline void rows_block(const float* xf, const int8_t* w, int64_t K, int64_t n0, 
     int64_t k = 0;
     for (; k + 16 * CH <= K; k += 16 * CH) {
       for (int c = 0; c < CH; ++c) {
-        const __m512 wv = int8x16_to_float(wr + k + 16 * c);
+        const __m512 wv = load16(wr + k + 16 * c);
         for (int m = 0; m < MB; ++m)
           acc[m][c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + (m0 + m) * K + k + 16 * c), acc[m][c]);
       }
     }
     for (; k < K; k += 16) {
-      const __m512 wv = int8x16_to_float(wr + k);
+      const __m512 wv = load16(wr + k);
       for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xf + (m0 + m) * K + k), acc[m][0]);
     }
     for (int m = 0; m < MB; ++m) {
@@ -71,7 +58,7 @@ inline void rows_block(const float* xf, const int8_t* w, int64_t K, int64_t n0, 
 
 template <typename T>
 void tile(const float* xf, const int8_t* w, const T* scale, T* out, int64_t M, int64_t K, int64_t N, int64_t n0,
-           int rows) {
+          int rows) {
   const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
   alignas(64) float sc[16] = {};
   for (int r = 0; r < rows; ++r) sc[r] = static_cast<float>(scale[n0 + r]);
@@ -79,7 +66,7 @@ void tile(const float* xf, const int8_t* w, const T* scale, T* out, int64_t M, i
   __m512 part[4][16];
   int64_t m = 0;
   auto finish = [&](int mb) {
-    for (int i = 0; i < mb; ++i) store_out16(out + (m + i) * N + n0, _mm512_mul_ps(sum_lanes16(part[i]), scv), live);
+    for (int i = 0; i < mb; ++i) store16(out + (m + i) * N + n0, _mm512_mul_ps(sum_lanes16(part[i]), scv), live);
   };
   for (; m + 4 <= M; m += 4) { rows_block<4, 2>(xf, w, K, n0, rows, m, part); finish(4); }
   switch (M - m) {

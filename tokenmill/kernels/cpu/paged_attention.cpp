@@ -121,16 +121,7 @@ struct Tiles {
 };
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const at::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+using tokenmill_simd::load16;  // float, bfloat16, int8; the float8 overload is this file's own
 
 // e4m3 -> float16 bit pattern: exponent and mantissa moved up 7 bits give the value / 2^8
 // (normal and subnormal alike, the two biases differ by 8), the sign moves to bit 15.

@@ -2,9 +2,39 @@
 #pragma once
 
 #if defined(__AVX512F__)
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace tokenmill_simd {
+
+// 16 values widened to float32 (bfloat16: its bits moved up 16; int8: exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The lanes of mask only; the others read as 0.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// The lanes of mask stored; bfloat16 rounded to nearest even, as c10::BFloat16(float) does for
+// finite values.
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+}
 
 // r[i] = sum of the 16 lanes of a[i]: a transpose-and-add tree, about 3 instructions per vector
 // instead of a full horizontal reduction each.
@@ -45,5 +75,7 @@ inline __m512 exp16(__m512 x) {
 }  // namespace tokenmill_simd
 
 using tokenmill_simd::exp16;
+using tokenmill_simd::load16;
+using tokenmill_simd::store16;
 using tokenmill_simd::sum_lanes16;
 #endif

@@ -99,11 +99,6 @@ class FusedDecoder:
             mods += (attn["qkv"], attn["o"], mlp["gate_up"], mlp["down"])
         return len(mods) == len(self.linears) and all(a is b for a, b in zip(mods, self.linears))
 
-    @staticmethod
-    def applies(meta: PagedAttentionMetadata) -> bool:
-        """Whether every sequence of the step has exactly one new token."""
-        return meta.query_start_loc[-1] == meta.num_seqs > 0
-
     def run(self, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
             meta: PagedAttentionMetadata) -> torch.Tensor:
         """h [B, hidden] embeddings of the new tokens -> hidden states after the last layer."""

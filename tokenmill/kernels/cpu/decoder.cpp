@@ -267,8 +267,6 @@ class DecodeStack {
     layers_.push_back(std::move(l));
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // h [B, hidden]; ropes: (cos, sin) [B, head_dim] per RoPE table; plans: per attention plan
   // (slots int64 [B], block_tables int32 [B, W], key_start, key_end int32 [B]).
   torch::Tensor run(torch::Tensor h, std::vector<std::pair<torch::Tensor, torch::Tensor>> ropes,
@@ -323,6 +321,5 @@ void bind_decoder(pybind11::module& m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<double, bool>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("num_layers", &DecodeStack::num_layers)
       .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());
 }

@@ -114,3 +114,24 @@ def test_swapped_linears_rebuild_the_stack(tmp_path):
     quantize_model(model, Int8WeightOnlyConfig(), progress=False)
     second = model.fused_decoder(seqs.cache)
     assert second is not None and second is not first
+
+
+def test_weights_changed_in_place_rebuild_the_stack(tmp_path):
+    """A bfloat16 stack multiplies by packed copies of the dense weights: a weight modified in
+    place (loading a checkpoint into the model, merging an adapter) must not leave it stale."""
+    model = _model("llama", torch.bfloat16, "dense", tmp_path)
+    seqs = Sequences(model, "auto")
+    seqs.step(seqs.tokens)
+    first = model.fused_decoder(seqs.cache)
+    assert first is not None and model.fused_decoder(seqs.cache) is first
+    with torch.no_grad():
+        model.layers[0].mlp.down.weight.mul_(0.5)
+    second = model.fused_decoder(seqs.cache)
+    assert second is not None and second is not first
+    lens, before = list(seqs.lens), _snapshot(seqs.cache)
+    fused = seqs.step([[1], [2], [3]])
+    for s, b in zip(seqs.cache.storage, before):
+        s.copy_(b)
+    seqs.lens = lens
+    model.use_fused_decode = False
+    assert torch.equal(fused, seqs.step([[1], [2], [3]]))

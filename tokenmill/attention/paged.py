@@ -204,6 +204,10 @@ _Decode = tuple[int, list[int], int, int]
 """A one-token sequence of a step: (row in the flat batch, blocks from its first visible key,
 first and last + 1 of its keys within those blocks' tokens)."""
 
+_Prefill = tuple[int, int, int, list[int], int, int]
+"""A sequence of several new tokens: (first and last + 1 of its rows in the flat batch, its context
+length, blocks from its first visible key, first and last + 1 of its keys within those blocks' tokens)."""
+
 
 @dataclass
 class _KernelDecodes:
@@ -219,14 +223,60 @@ class _KernelDecodes:
 
 
 @dataclass
+class _KernelPrefills:
+    """Every sequence of several new tokens of a step, as the CPU paged-prefill kernel takes them."""
+
+    rows: slice | torch.Tensor
+    """Their rows in the flat batch: a range when they follow each other, else an index."""
+    block_tables: torch.Tensor
+    """int32 [num_seqs, max_blocks]: blocks from each sequence's first visible key, null-padded."""
+    query_start: torch.Tensor
+    """int32 [num_seqs + 1]: offsets of each sequence's queries among those rows."""
+    key_start: torch.Tensor
+    """int32 [num_seqs]: first and last + 1 of each sequence's keys within its blocks' tokens."""
+    key_end: torch.Tensor
+
+
+@dataclass
 class _Plan:
-    prefills: list[_SeqAttention]
+    prefill_seqs: list[_Prefill]
+    """The sequences of several new tokens, by row (the kernel path takes them all at once)."""
     decode_seqs: list[_Decode]
     """The one-token sequences, by row, before batching (the kernel path takes them all at once)."""
     all_rows_decode: bool
+    window: int | None
     meta: "PagedAttentionMetadata" = field(repr=False)
     _kernel: _KernelDecodes | None = field(default=None, repr=False)
+    _kernel_prefills: _KernelPrefills | None = field(default=None, repr=False)
     _batches: list[_DecodeBatch] | None = field(default=None, repr=False)
+    _prefills: list[_SeqAttention] | None = field(default=None, repr=False)
+
+    @property
+    def prefills(self) -> list[_SeqAttention]:
+        """The sequences of several new tokens as SDPA takes them (slots, masks); built only when
+        the SDPA path asks."""
+        if self._prefills is None:
+            self._prefills = [self.meta._seq_attention(s, self.window) for s in self.prefill_seqs]
+        return self._prefills
+
+    def kernel_prefills(self) -> _KernelPrefills:
+        if self._kernel_prefills is None:
+            seqs = self.prefill_seqs
+            width = max(len(blocks) for _, _, _, blocks, _, _ in seqs)
+            tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, _, blocks, _, _ in seqs],
+                                  dtype=torch.int32)
+            starts = [0]
+            for start, end, _, _, _, _ in seqs:
+                starts.append(starts[-1] + end - start)
+            if all(a[1] == b[0] for a, b in zip(seqs, seqs[1:])):
+                rows: slice | torch.Tensor = slice(seqs[0][0], seqs[-1][1])
+            else:
+                rows = torch.cat([torch.arange(start, end) for start, end, _, _, _, _ in seqs])
+            self._kernel_prefills = _KernelPrefills(
+                rows, tables, torch.tensor(starts, dtype=torch.int32),
+                torch.tensor([lo for _, _, _, _, lo, _ in seqs], dtype=torch.int32),
+                torch.tensor([hi for _, _, _, _, _, hi in seqs], dtype=torch.int32))
+        return self._kernel_prefills
 
     @property
     def decodes(self) -> list[_DecodeBatch]:
@@ -317,10 +367,6 @@ class PagedAttentionMetadata:
         decodes, prefills = [], []
         for i, ctx in enumerate(self.context_lens):
             start, end = self.query_start_loc[i], self.query_start_loc[i + 1]
-            if ctx == end - start > 1:  # a whole prompt: its keys are its new tokens
-                mask = attention_mask(ctx, ctx, 0, window, self.device) if window is not None and window < ctx else None
-                prefills.append(_SeqAttention(start, end, None, mask, mask is None))
-                continue
             # keys older than the window of the first new query are never seen
             first_key = 0 if window is None else max(0, ctx - (end - start) - window + 1)
             first_block = first_key // bs
@@ -328,10 +374,18 @@ class PagedAttentionMetadata:
             lo, hi = first_key - first_block * bs, ctx - first_block * bs
             if end - start == 1:
                 decodes.append((start, blocks, lo, hi))
-                continue
-            mask = attention_mask(end - start, ctx, first_key, window, self.device)
-            prefills.append(_SeqAttention(start, end, self._slots(blocks, lo, hi), mask, False))
-        return _Plan(prefills, decodes, len(decodes) == self.query_start_loc[-1], self)
+            else:
+                prefills.append((start, end, ctx, blocks, lo, hi))
+        return _Plan(prefills, decodes, len(decodes) == self.query_start_loc[-1], window, self)
+
+    def _seq_attention(self, seq: _Prefill, window: int | None) -> _SeqAttention:
+        start, end, ctx, blocks, lo, hi = seq
+        if ctx == end - start:  # a whole prompt: its keys are its new tokens
+            mask = attention_mask(ctx, ctx, 0, window, self.device) if window is not None and window < ctx else None
+            return _SeqAttention(start, end, None, mask, mask is None)
+        first_key = ctx - hi + lo
+        mask = attention_mask(end - start, ctx, first_key, window, self.device)
+        return _SeqAttention(start, end, self._slots(blocks, lo, hi), mask, False)
 
     def _decode_batch(self, seqs: list[_Decode]) -> _DecodeBatch:
         rows = torch.tensor([row for row, _, _, _ in seqs], device=self.device)
@@ -395,7 +449,7 @@ def _or_empty(t: torch.Tensor | None) -> torch.Tensor:
 
 class PagedAttentionBackend:
     """Attention over a ``PagedKVCache`` with ``scaled_dot_product_attention`` (CPU and CUDA),
-    and on CPU tokenmill's paged-decode kernel for one-token sequences when it is built.
+    and on CPU tokenmill's paged-decode and paged-prefill kernels when they are built.
 
     Every new key/value is written with one ``index_copy_`` into the slot view of the pool, and
     keys are read back by slot (a view of a slot range when a sequence's block ids are
@@ -406,36 +460,39 @@ class PagedAttentionBackend:
 
     On CPU, one-token sequences instead go to ``tokenmill/kernels/cpu/paged_attention.cpp``
     (``use_cpu_kernel``, default: when it builds): it reads keys and values in place from the
-    blocks, all sequences in one call, without the gather copy and the padding.
+    blocks, all sequences in one call, without the gather copy and the padding. Likewise every
+    sequence of several new tokens (whole prompts too: their keys were just written) goes to
+    ``prefill_attention.cpp`` in one call, when the cache is stored in the model's dtype (a
+    quantized cache keeps SDPA for them): causal flash attention that skips the masked key blocks.
+    ``use_cpu_kernel=False``: no C++ kernel at all.
     """
 
     def __init__(self, use_cpu_kernel: bool | None = None) -> None:
         self.use_cpu_kernel = use_cpu_kernel
-        self._kernels = None
 
     def _cpu_kernels(self, q: torch.Tensor):
-        """The compiled CPU kernels when they apply to this call, else None."""
+        """The compiled CPU kernels when they apply to this call, else None. (Not kept on the
+        backend: a model holding it must stay deep-copyable.)"""
         if q.device.type != "cpu" or self.use_cpu_kernel is False or q.dtype not in (torch.float32, torch.bfloat16):
             return None
-        if self._kernels is None:
-            from tokenmill.kernels import cpu_ops
-
-            self._kernels = cpu_ops.load() or False
-            if self.use_cpu_kernel and not self._kernels:
-                raise RuntimeError("use_cpu_kernel=True but the CPU kernels could not be built (see the log)")
-        if not self._kernels or not self._kernels.supports_head_dim(q.shape[-1]):
+        kernels = _cpu_ops()
+        if self.use_cpu_kernel and kernels is None:
+            raise RuntimeError("use_cpu_kernel=True but the CPU kernels could not be built (see the log)")
+        if kernels is None or not kernels.supports_head_dim(q.shape[-1]):
             return None
-        return self._kernels
+        return kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedLayer,
                 meta: PagedAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
         slots = meta.slot_mapping[cache.group]
         cache.write(slots, k, v)
         plan = meta.plan(cache.group, sliding_window)
-        if cache.quantized and plan.prefills:  # new tokens attend to the values as stored
+        if cache.quantized and plan.prefill_seqs:  # new tokens attend to the values as stored
             k, v = cache.read(slots, q.dtype)
-        kernels = self._cpu_kernels(q) if plan.decode_seqs else None
-        if kernels is not None:
+        kernels = self._cpu_kernels(q) if plan.decode_seqs or plan.prefill_seqs else None
+        if not plan.decode_seqs:
+            out = None
+        elif kernels is not None:
             d = plan.kernel_decodes()
             qd = q if d.rows is None else q.index_select(0, d.rows)
             o = kernels.paged_decode_attention(qd.contiguous(), cache.keys, cache.values,
@@ -451,6 +508,24 @@ class PagedAttentionBackend:
             out = torch.empty_like(q)
             for d in plan.decodes:
                 out.index_copy_(0, d.rows, self._decodes(q.index_select(0, d.rows), cache, d, scale))
+        if not plan.prefill_seqs:
+            return out if out is not None else torch.empty_like(q)
+        if kernels is not None and not cache.quantized and cache.keys.dtype == q.dtype:
+            # every prefill of the step in one call, keys and values read in place (its new ones included)
+            p = plan.kernel_prefills()
+            qp = q[p.rows] if isinstance(p.rows, slice) else q.index_select(0, p.rows)
+            o = kernels.paged_prefill_attention(qp.contiguous(), cache.keys, cache.values, p.block_tables,
+                                                p.query_start, p.key_start, p.key_end, sliding_window or 0, scale,
+                                                False)
+            if out is None and isinstance(p.rows, slice) and p.rows.start == 0 and p.rows.stop == q.shape[0]:
+                return o
+            out = torch.empty_like(q) if out is None else out
+            if isinstance(p.rows, slice):
+                out[p.rows] = o
+            else:
+                out.index_copy_(0, p.rows, o)
+            return out
+        out = torch.empty_like(q) if out is None else out
         gqa = q.shape[1] != k.shape[1]
         for s in plan.prefills:
             if s.slots is None:

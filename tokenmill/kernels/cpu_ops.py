@@ -21,8 +21,8 @@ import torch
 logger = logging.getLogger("tokenmill.kernels")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "int8_linear.cpp", "int4_linear.cpp", "kv_write.cpp", "decoder.cpp",
-                        "bindings.cpp")]
+           for name in ("paged_attention.cpp", "prefill_attention.cpp", "int8_linear.cpp", "int4_linear.cpp",
+                        "bf16_linear.cpp", "kv_write.cpp", "decoder.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "simd.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 

@@ -15,7 +15,7 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend, KVCache
 from tokenmill.attention.paged import PagedAttentionMetadata
 from tokenmill.config import ModelConfig
-from tokenmill.models.layers import RMSNorm, Rotary
+from tokenmill.models.layers import RMSNorm, Rotary, linear, packed_bf16_linear
 
 
 class CausalLM(nn.Module):
@@ -84,5 +84,8 @@ class CausalLM(nn.Module):
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         h = self.norm(hidden)
         if self.lm_head is not None:  # its own module: a quantized head multiplies in low precision
-            return self.lm_head(h).float()
-        return torch.nn.functional.linear(h, self.embed.weight).float()
+            return linear(self.lm_head, h).float()
+        logits = packed_bf16_linear(self.embed, self.embed.weight, None, h)
+        if logits is None:
+            logits = torch.nn.functional.linear(h, self.embed.weight)
+        return logits.float()

@@ -7,7 +7,8 @@ The stack calls the same kernels in the same order as the layer-by-layer path do
 dispatch time between about 15 operations per layer, which at batch 1 was as long as the
 matmuls themselves.
 
-It applies to Llama-family and Gemma 3 blocks whose linears are dense, :class:`Int8Linear` or
+It applies to Llama-family and Gemma 3 blocks whose linears are dense (bfloat16 ones by the packed
+kernel of ``layers.linear``), :class:`Int8Linear` or
 :class:`Int4Linear` with tokenmill's CPU kernel, on a float32 or bfloat16 model, with the
 paged-decode kernel available; anything else keeps the layer-by-layer path.
 """
@@ -19,14 +20,18 @@ from torch import nn
 
 from tokenmill.attention.paged import PagedAttentionBackend, PagedAttentionMetadata, PagedKVCache
 from tokenmill.kernels import cpu_ops
+from tokenmill.models.layers import packed_bf16_weight, weight_key
 from tokenmill.quantization.linear import Int4Linear, Int8Linear
 
-DENSE, INT8, INT4 = 0, 1, 2
+DENSE, INT8, INT4, PACKED_BF16 = 0, 1, 2, 3
 
 
-def _linear_spec(module: nn.Module) -> tuple | None:
+def _linear_spec(module: nn.Module, ops) -> tuple | None:
     """(kind, weight, scales, bias, group_size, out_features, padded_in) of a linear the stack can run."""
     if type(module) is nn.Linear:
+        packed = packed_bf16_weight(module, module.weight, ops)  # what layers.linear multiplies by
+        if packed is not None:
+            return PACKED_BF16, packed, torch.empty(0), module.bias, 0, module.out_features, module.in_features
         return DENSE, module.weight, torch.empty(0), module.bias, 0, module.out_features, module.in_features
     if type(module) is Int8Linear:
         return INT8, module.qweight, module.scale, module.bias, 0, module.out_features, module.in_features
@@ -39,10 +44,14 @@ def _linear_spec(module: nn.Module) -> tuple | None:
 class FusedDecoder:
     """A model's decoder layers bound to one KV cache, as one ``DecodeStack``."""
 
-    def __init__(self, stack, linears: tuple[nn.Module, ...], plan_keys: list[tuple[int, int | None]]) -> None:
+    def __init__(self, stack, linears: tuple[nn.Module, ...], plan_keys: list[tuple[int, int | None]],
+                 packed: list[nn.Module]) -> None:
         self.stack = stack
         self.linears = linears
         """The linear modules it was built from: a model whose modules were swapped since is rebuilt."""
+        self.packed = [(m, weight_key(m.weight)) for m in packed]
+        """Dense modules it holds a packed copy of, with their weight's key when packed: a weight
+        changed since (in place or replaced) rebuilds it too."""
         self.plan_keys = plan_keys
         """(KV group, sliding window) of each attention plan the layers use."""
 
@@ -64,6 +73,7 @@ class FusedDecoder:
         stack = ops.DecodeStack(cfg.rms_norm_eps, model.norm_cast_before_scale)
         plan_keys: list[tuple[int, int | None]] = []
         linears: list[nn.Module] = []
+        packed: list[nn.Module] = []
         for i, block in enumerate(model.layers):
             if type(block) not in (LlamaBlock, Gemma3Block):
                 return None
@@ -72,10 +82,11 @@ class FusedDecoder:
             if type(backend) is not PagedAttentionBackend or backend.use_cpu_kernel is False:
                 return None
             modules = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
-            specs = [_linear_spec(m) for m in modules]
+            specs = [_linear_spec(m, ops) for m in modules]
             if any(s is None for s in specs):
                 return None
             linears.extend(modules)
+            packed.extend(m for m, spec in zip(modules, specs) if spec[0] == PACKED_BF16)
             norms = [block.attn_norm.weight, block.ffn_norm.weight]
             if type(block) is Gemma3Block:
                 norms += [block.post_attn_norm.weight, block.post_ffn_norm.weight]
@@ -88,16 +99,18 @@ class FusedDecoder:
             rope = 1 if cfg.layer_type(i) == "sliding" else 0
             stack.add_layer(norms, qk_norms, specs, attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.scale,
                             mlp.act != "silu", rope, plan_keys.index(key), cache)
-        return cls(stack, tuple(linears), plan_keys)
+        return cls(stack, tuple(linears), plan_keys, packed)
 
     def current_for(self, model: nn.Module) -> bool:
-        """Whether the model still holds the linear modules this stack was built from."""
+        """Whether the model still holds the linear modules this stack was built from, with the
+        weights it packed unchanged."""
         # through _modules: nn.Module.__getattr__ made this check 0.5 ms of a 6 ms batch-1 step
         mods = []
         for block in model._modules["layers"]._modules.values():
             attn, mlp = block._modules["attn"]._modules, block._modules["mlp"]._modules
             mods += (attn["qkv"], attn["o"], mlp["gate_up"], mlp["down"])
-        return len(mods) == len(self.linears) and all(a is b for a, b in zip(mods, self.linears))
+        return (len(mods) == len(self.linears) and all(a is b for a, b in zip(mods, self.linears))
+                and all(weight_key(m._parameters["weight"]) == key for m, key in self.packed))
 
     def run(self, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
             meta: PagedAttentionMetadata) -> torch.Tensor:

@@ -29,6 +29,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, t
 torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, bool generic);
 torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size,
                                  bool generic);
+torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
 void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows, torch::Tensor scales);
 
 namespace {
@@ -205,14 +206,16 @@ torch::Tensor act_mul(torch::Tensor gate_up, bool gelu_tanh_act) {
   return out;
 }
 
-// One linear layer as the model holds it: dense (at::linear), or tokenmill's int8 / int4 kernels.
+// One linear layer as the model holds it: dense (at::linear), or tokenmill's int8 / int4 / packed
+// bfloat16 kernels.
 struct Linear {
-  int64_t kind = 0;  // 0 dense, 1 int8 weight-only, 2 int4 weight-only
+  int64_t kind = 0;  // 0 dense, 1 int8 weight-only, 2 int4 weight-only, 3 bfloat16 packed
   torch::Tensor weight, scales, bias;
   int64_t group_size = 0, out_features = 0, padded_in = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == 0) return at::linear(x, weight, bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt);
+    if (kind == 3) return bf16_packed_linear(x, weight, out_features, bias.defined() ? bias : torch::Tensor());
     torch::Tensor y;
     if (kind == 1) {
       y = int8_weight_linear(x, weight, scales, false);
@@ -257,7 +260,7 @@ class DecodeStack {
     Linear* slots[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     for (int i = 0; i < 4; ++i) {
       auto& [kind, w, s, b, gs, out_features, padded_in] = linears[i];
-      TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (dense), 1 (int8) or 2 (int4)");
+      TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0 (dense), 1 (int8), 2 (int4) or 3 (packed bf16)");
       *slots[i] = Linear{kind, w, s, b.has_value() ? *b : torch::Tensor(), gs, out_features, padded_in};
     }
     l.heads = heads, l.kv_heads = kv_heads, l.head_dim = head_dim, l.scale = scale, l.gelu_tanh = gelu_tanh;

@@ -204,6 +204,12 @@ _Decode = tuple[int, list[int], int, int]
 """A one-token sequence of a step: (row in the flat batch, blocks from its first visible key,
 first and last + 1 of its keys within those blocks' tokens)."""
 
+def _null_padded(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Block tables as one [num_seqs, longest] tensor, the shorter ones padded with the null block 0."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=dtype)
+
+
 _Prefill = tuple[int, int, int, list[int], int, int]
 """A sequence of several new tokens: (first and last + 1 of its rows in the flat batch, its context
 length, blocks from its first visible key, first and last + 1 of its keys within those blocks' tokens)."""
@@ -262,9 +268,7 @@ class _Plan:
     def kernel_prefills(self) -> _KernelPrefills:
         if self._kernel_prefills is None:
             seqs = self.prefill_seqs
-            width = max(len(blocks) for _, _, _, blocks, _, _ in seqs)
-            tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, _, _, blocks, _, _ in seqs],
-                                  dtype=torch.int32)
+            tables = _null_padded([blocks for _, _, _, blocks, _, _ in seqs], torch.int32)
             starts = [0]
             for start, end, _, _, _, _ in seqs:
                 starts.append(starts[-1] + end - start)
@@ -291,9 +295,7 @@ class _Plan:
     def kernel_decodes(self) -> _KernelDecodes:
         if self._kernel is None:
             seqs = self.decode_seqs
-            width = max(len(blocks) for _, blocks, _, _ in seqs)
-            tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, blocks, _, _ in seqs],
-                                  dtype=torch.int32)
+            tables = _null_padded([blocks for _, blocks, _, _ in seqs], torch.int32)
             rows = None if self.all_rows_decode else torch.tensor([row for row, _, _, _ in seqs])
             self._kernel = _KernelDecodes(rows, tables, torch.tensor([lo for _, _, lo, _ in seqs], dtype=torch.int32),
                                           torch.tensor([hi for _, _, _, hi in seqs], dtype=torch.int32))
@@ -392,8 +394,8 @@ class PagedAttentionMetadata:
         if len(seqs) == 1:
             _, blocks, lo, hi = seqs[0]
             return _DecodeBatch(rows, self._slots(blocks, lo, hi), None)
-        max_blocks = max(len(blocks) for _, blocks, _, _ in seqs)
-        padded = torch.tensor([blocks + [0] * (max_blocks - len(blocks)) for _, blocks, _, _ in seqs])
+        padded = _null_padded([blocks for _, blocks, _, _ in seqs], torch.long)
+        max_blocks = padded.shape[1]
         slots = (padded[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten().to(self.device)
         lo = [lo for _, _, lo, _ in seqs]
         hi = [hi for _, _, _, hi in seqs]

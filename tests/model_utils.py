@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.paged import PagedAttentionMetadata, PagedKVCache
-from tokenmill.engine.cache_config import layer_groups
+from tokenmill.config import layer_groups
 from tokenmill.models.base import CausalLM
 
 BLOCK = 16

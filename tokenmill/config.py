@@ -115,3 +115,16 @@ class ModelConfig:
         if "layer_types" in data:
             data["layer_types"] = tuple(data["layer_types"])
         return cls(**data)
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int | None]]:
+    """KV group of each layer and the sliding window of each group.
+
+    Layers of one attention type share block tables: a model with only global (or only
+    sliding-window) layers has one group; Gemma 3 has two, global (0) and sliding (1), so the
+    sliding layers can drop blocks that fell out of their window.
+    """
+    types = [cfg.layer_type(i) for i in range(cfg.num_layers)]
+    kinds = sorted(set(types), key=lambda t: t != "full")  # 'full' first when present
+    windows = [cfg.sliding_window if kind == "sliding" else None for kind in kinds]
+    return [kinds.index(t) for t in types], windows

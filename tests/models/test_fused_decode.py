@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenmill.attention.paged import PagedAttentionBackend, PagedAttentionMetadata, PagedKVCache
-from tokenmill.engine.cache_config import layer_groups
+from tokenmill.config import layer_groups
 from tokenmill.kernels import cpu_ops
 from tokenmill.loading.model_loader import build_model, open_hf
 from tokenmill.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_model

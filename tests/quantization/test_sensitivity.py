@@ -18,7 +18,8 @@ from tokenmill.attention.paged import PagedAttentionBackend
 from tokenmill.errors import InvalidParameterError
 from tokenmill.eval.perplexity import SequenceRunner
 from tokenmill.loading.model_loader import load_model
-from tokenmill.loading.sources import default_cache_dir, resolve_model
+from tokenmill.loading.sources import resolve_model
+from tokenmill.paths import default_cache_dir
 from tokenmill.quantization import (
     Int4WeightOnlyConfig,
     Int8WeightOnlyConfig,

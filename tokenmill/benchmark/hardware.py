@@ -106,7 +106,7 @@ def measure(device: torch.device, dtypes: Sequence[str] | None = None, bandwidth
 
 
 def default_cache_path() -> Path:
-    from tokenmill.loading.sources import default_cache_dir
+    from tokenmill.paths import default_cache_dir
 
     return default_cache_dir() / "hardware.json"
 

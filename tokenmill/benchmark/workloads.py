@@ -98,7 +98,8 @@ def load_tokenizer(model: str | os.PathLike | None, cache_dir: Path | None = Non
     """The tokenizer of ``model`` (anything tokenmill's resolver accepts, or a directory with a
     tokenizer.json) without loading weights."""
     from tokenmill.loading.gguf_file import GGUFFile
-    from tokenmill.loading.sources import default_cache_dir, resolve_model
+    from tokenmill.loading.sources import resolve_model
+    from tokenmill.paths import default_cache_dir
 
     path = Path(str(model)).expanduser() if model is not None else None
     if path is not None and path.is_dir() and (path / "tokenizer.json").is_file():

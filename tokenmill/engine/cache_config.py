@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.kv_quant import check_kv_cache_dtype
-from tokenmill.config import ModelConfig
 from tokenmill.errors import InvalidParameterError
 
 
@@ -41,16 +40,3 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int | None]]:
-    """KV group of each layer and the sliding window of each group.
-
-    Layers of one attention type share block tables: a model with only global (or only
-    sliding-window) layers has one group; Gemma 3 has two, global (0) and sliding (1), so the
-    sliding layers can drop blocks that fell out of their window.
-    """
-    types = [cfg.layer_type(i) for i in range(cfg.num_layers)]
-    kinds = sorted(set(types), key=lambda t: t != "full")  # 'full' first when present
-    windows = [cfg.sliding_window if kind == "sliding" else None for kind in kinds]
-    return [kinds.index(t) for t in types], windows

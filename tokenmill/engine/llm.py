@@ -15,7 +15,8 @@ from tokenmill.engine.cache_config import CacheConfig
 from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.loading.model_loader import load_model
-from tokenmill.loading.sources import default_cache_dir, resolve_model
+from tokenmill.loading.sources import resolve_model
+from tokenmill.paths import default_cache_dir
 from tokenmill.engine.scheduler import SchedulerConfig
 from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import SamplingParams

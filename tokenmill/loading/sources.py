@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 from tokenmill.errors import ModelFormatError, ModelNotFoundError
+from tokenmill.paths import default_cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_MAGIC = b"GGUF"
@@ -68,11 +69,6 @@ class ModelSource:
     """'gguf': a single GGUF file; 'hf': a directory with config.json and safetensors."""
     path: Path
     """The GGUF file, or the HF checkpoint directory."""
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tokenmill"
 
 
 def resolve_model(model: str | os.PathLike | None = None, cache_dir: Path | None = None) -> ModelSource:

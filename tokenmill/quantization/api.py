@@ -290,7 +290,8 @@ def quantize(model: str | os.PathLike | CausalLM | LoadedModel | None, config: Q
         quantize_model(model.model, config, target_dtype, progress, model.tokenizer)
         return model
     from tokenmill.attention.paged import PagedAttentionBackend
-    from tokenmill.loading.sources import default_cache_dir, resolve_model
+    from tokenmill.loading.sources import resolve_model
+    from tokenmill.paths import default_cache_dir
 
     resolved = resolve_device(device)
     target_dtype = resolve_dtype(dtype, resolved)

@@ -138,7 +138,8 @@ def _plan_and_quantize(args: argparse.Namespace, config):
     from tokenmill.device import resolve_device, resolve_dtype
     from tokenmill.errors import InvalidParameterError
     from tokenmill.loading.model_loader import load_model
-    from tokenmill.loading.sources import default_cache_dir, resolve_model
+    from tokenmill.loading.sources import resolve_model
+    from tokenmill.paths import default_cache_dir
     from tokenmill.quantization import quantize
     from tokenmill.quantization.sensitivity import (
         analyze_sensitivity, format_table, plan_keep_layers, planned_config, sensitivity_ids, write_plan)

@@ -451,7 +451,8 @@ def qat(model: str | os.PathLike, config: QATConfig, dtype: str | torch.dtype = 
     from tokenmill.attention.paged import PagedAttentionBackend
     from tokenmill.device import resolve_device, resolve_dtype
     from tokenmill.loading.model_loader import load_model
-    from tokenmill.loading.sources import default_cache_dir, resolve_model
+    from tokenmill.loading.sources import resolve_model
+    from tokenmill.paths import default_cache_dir
 
     resolved = resolve_device(device)
     target_dtype = resolve_dtype(dtype, resolved)

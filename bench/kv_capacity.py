@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.paged import PagedKVCache
+from tokenmill.attention.kv_cache import PagedKVCache
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -29,11 +29,10 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.attention.paged import PagedAttentionBackend
-from tokenmill.eval.commands import read_tokens
+from tokenmill.eval.corpus import read_tokens
 from tokenmill.eval.corpus import fetch_corpus
 from tokenmill.eval.perplexity import perplexity
-from tokenmill.loading.model_loader import load_model
+from tokenmill.loader import load_model
 from tokenmill.loading.sources import resolve_model
 from tokenmill.quantization import Int4WeightOnlyConfig, quantize, save_quantized
 from tokenmill.quantization.qat import TRAIN_SPLIT, QATConfig, QATLog, qat
@@ -59,7 +58,7 @@ def run_qat(args: argparse.Namespace, ids: list[int], out_dir: Path) -> tuple[di
     seconds = time.perf_counter() - start
     saved = save_quantized(loaded, out_dir)
     del loaded
-    reloaded = load_model(resolve_model(str(saved)), PagedAttentionBackend(), torch.bfloat16)
+    reloaded = load_model(str(saved), torch.bfloat16, "cpu")
     row = measure(f"qat-int4-g{args.group_size}", reloaded.model, ids,
                   {"train_seconds": seconds, "train_tokens": config.steps * config.batch_size * config.seq_len,
                    "qat_config": asdict(config), "final_loss": sum(log.loss[-10:]) / len(log.loss[-10:])})
@@ -85,7 +84,7 @@ def main() -> None:
     results = {"model": source.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
                "machine": platform.processor() or platform.machine(), "ppl_tokens": args.ppl_tokens,
                "train_split": TRAIN_SPLIT, "rows": []}
-    base = load_model(source, PagedAttentionBackend(), torch.bfloat16)
+    base = load_model(source, torch.bfloat16, "cpu")
     ids = read_tokens(base.tokenizer, corpus, args.ppl_tokens)
     results["rows"].append(measure("bf16", base.model, ids))
     del base

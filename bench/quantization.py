@@ -29,11 +29,10 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.paged import PagedAttentionBackend
-from tokenmill.eval.commands import read_tokens
+from tokenmill.eval.corpus import read_tokens
 from tokenmill.eval.corpus import fetch_corpus
 from tokenmill.eval.perplexity import perplexity
-from tokenmill.loading.model_loader import load_model
+from tokenmill.loader import load_model
 from tokenmill.loading.sources import resolve_model
 from tokenmill.quantization import (
     Int4GPTQConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig, W8A8Config, quantize, save_quantized)
@@ -79,7 +78,7 @@ def concurrent_tok_s(llm: LLM) -> float:
 def save_baseline(model_arg: str, out: Path) -> Path:
     from safetensors.torch import save_file
 
-    loaded = load_model(resolve_model(model_arg), PagedAttentionBackend(), torch.bfloat16)
+    loaded = load_model(model_arg, torch.bfloat16, "cpu")
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in loaded.model.state_dict().items()}, str(out / "model.safetensors"))
     save_tokenizer(loaded.tokenizer, out)
@@ -94,7 +93,7 @@ def measure(name: str, model_dir: str, weights: Path, ids_text: Path, args: argp
     concurrent = concurrent_tok_s(llm)
     kv_tokens = llm.engine.kv_capacity_tokens
     del llm
-    loaded = load_model(resolve_model(model_dir), PagedAttentionBackend(), torch.bfloat16)
+    loaded = load_model(model_dir, torch.bfloat16, "cpu")
     ids = read_tokens(loaded.tokenizer, ids_text, args.ppl_tokens)
     ppl = perplexity(loaded.model, ids, context=512, stride=256, kv_cache_dtype=kv_cache_dtype)
     row = {"method": name, "size_mb": weights.stat().st_size / 1e6, "decode_tok_s": decode, "decode_runs": runs,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.paged import PagedAttentionMetadata, PagedKVCache
+from tokenmill.attention.kv_cache import PagedKVCache
+from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import layer_groups
 from tokenmill.models.base import CausalLM
 

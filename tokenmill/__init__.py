@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams", "quantize"]
 def __getattr__(name: str):
     # LLM pulls in torch and the model code; import it on first use so `import tokenmill` stays light.
     if name == "LLM":
-        from tokenmill.engine.llm import LLM
+        from tokenmill.llm import LLM
 
         return LLM
     if name == "quantize":

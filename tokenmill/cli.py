@@ -9,21 +9,21 @@ import argparse
 import sys
 from typing import Sequence
 
-from tokenmill.attention.kv_quant import KV_CACHE_DTYPES
 from tokenmill.benchmark.commands import add_bench_parser, cmd_bench
+from tokenmill.config import LoadConfig
+from tokenmill.engine import ENGINE_OPTIONS, add_engine_options
 from tokenmill.errors import TokenmillError
-from tokenmill.eval.commands import add_eval_parser, cmd_eval
-from tokenmill.quantization.commands import add_quantize_parser, cmd_quantize
-from tokenmill.quantization.qat_commands import add_qat_parser, cmd_qat
+from tokenmill.options import add_option_group
+from tokenmill.commands.eval import add_eval_parser, cmd_eval
+from tokenmill.commands.qat import add_qat_parser, cmd_qat
+from tokenmill.commands.quantize import add_quantize_parser, cmd_quantize
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "-m", default=None,
-                        help="model name, GGUF file, HF directory or hub repo id (default: smollm2-135m-instruct)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="context window in tokens (default: the model's own)")
+    """The model and engine options of generate and chat (the request's --seed is the sampling one)."""
+    add_option_group(parser, LoadConfig)
+    for cls in ENGINE_OPTIONS:
+        add_option_group(parser, cls, exclude=("seed",))
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -58,28 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(sub) -> None:
+    from tokenmill.server.config import ServerConfig
+
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                        help="model to serve (same as --model; default: smollm2-135m-instruct)")
-    _model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="name clients pass as 'model'")
-    serve.add_argument("--api-keys", default=None, metavar="FILE",
-                       help="JSON file of tenants with sha256-hashed keys and limits (enables auth)")
-    serve.add_argument("--isolate-tenant-cache", action="store_true",
-                       help="tenants never share prefix-cache blocks")
-    serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences the engine runs at once")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    serve.add_argument("--kv-cache-memory", type=float, default=0.1,
-                       help="KV cache size: bytes, or a fraction of free memory when < 1")
-    serve.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                       help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3): ~1.9x the tokens")
-    serve.add_argument("--max-queued-requests", type=int, default=256, help="queue bound before 429")
-    serve.add_argument("--max-queued-tokens", type=int, default=262_144, help="queued prompt tokens before 429")
-    serve.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline, seconds")
-    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
-    serve.add_argument("--seed", type=int, default=None, help="seed of requests without their own")
+    add_option_group(serve, LoadConfig)
+    add_engine_options(serve)
+    add_option_group(serve, ServerConfig)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -90,10 +76,18 @@ def _sampling_params(args: argparse.Namespace):
                           seed=args.seed, stop=args.stop)
 
 
-def _load(args: argparse.Namespace):
-    from tokenmill.engine.llm import LLM
+def _llm(args: argparse.Namespace, **overrides):
+    """LLM(...) from the parsed load and engine options."""
+    from tokenmill.llm import LLM
+    from tokenmill.options import option_fields
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    names = [f.name for cls in (LoadConfig, *ENGINE_OPTIONS) for f in option_fields(cls) if hasattr(args, f.name)]
+    options = {name: getattr(args, name) for name in names if name != "model"}
+    return LLM(args.model, **{**options, **overrides})
+
+
+def _load(args: argparse.Namespace):
+    return _llm(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -133,22 +127,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from tokenmill.engine.llm import LLM
+    from tokenmill.options import from_namespace
     from tokenmill.server.config import ServerConfig
     from tokenmill.server.serve import serve
 
     if args.model_pos and args.model and args.model_pos != args.model:
         raise TokenmillError(f"two models given: {args.model_pos!r} and --model {args.model!r}")
-    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          api_keys_file=args.api_keys, max_queued_requests=args.max_queued_requests,
-                          max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
-                          isolate_tenant_prefix_cache=args.isolate_tenant_cache, drain_timeout=args.drain_timeout)
-    kv = int(args.kv_cache_memory) if args.kv_cache_memory >= 1 else args.kv_cache_memory
+    config = from_namespace(ServerConfig, args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model_pos or args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              seed=args.seed, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=kv, kv_cache_dtype=args.kv_cache_dtype, policy="priority")
-    serve(llm, config)
+    args.model = args.model_pos or args.model
+    serve(_llm(args), config)
     return 0
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from tokenmill.errors import InvalidParameterError
+from tokenmill.options import option
 
 
 def reject_unknown_keys(cls: type, data: dict[str, Any]) -> None:
@@ -21,6 +22,32 @@ def reject_unknown_keys(cls: type, data: dict[str, Any]) -> None:
             f"{cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
             f"known keys are {', '.join(sorted(known))}"
         )
+
+
+class Config:
+    """Base of the option configs: ``from_dict`` refuses unknown keys, naming them."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        reject_unknown_keys(cls, data)
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class LoadConfig(Config):
+    """Which model to load, and where it computes."""
+
+    title: ClassVar[str] = "model"
+
+    model: str | None = option(
+        None, "model name, GGUF file, HF or tokenmill-quantized directory, or HF hub repo id "
+        "(default: smollm2-135m-instruct)", short="-m")
+    dtype: str = option(
+        "auto", "compute dtype: auto (float32 on CPU and bfloat16 on CUDA; for quantize, bfloat16), float32, "
+        "bfloat16 or float16 (CUDA)")
+    device: str = option("auto", "auto, cpu or cuda")
+    cache_dir: str | None = option(
+        None, "where fetched models and tokenizers are kept (default: $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill)")
 
 
 @dataclass(frozen=True)
@@ -104,17 +131,6 @@ class ModelConfig:
 
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full"
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        reject_unknown_keys(cls, data)
-        data = dict(data)
-        if isinstance(data.get("rope_scaling"), dict):
-            reject_unknown_keys(RopeScaling, data["rope_scaling"])
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-        if "layer_types" in data:
-            data["layer_types"] = tuple(data["layer_types"])
-        return cls(**data)
 
 
 def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int | None]]:

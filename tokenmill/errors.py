@@ -6,7 +6,13 @@ maps them to OpenAI-style 4xx errors.
 
 
 class TokenmillError(Exception):
-    """Base class: a problem the user can fix (bad model, bad file, bad parameter)."""
+    """Base class: a problem the user can fix (bad model, bad file, bad parameter).
+
+    ``param``: the name of the offending input, when there is one (the server reports it)."""
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFoundError(TokenmillError):

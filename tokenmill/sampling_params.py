@@ -10,6 +10,9 @@ from typing import Any
 from tokenmill.config import reject_unknown_keys
 from tokenmill.errors import InvalidParameterError
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (as vLLM), so logits / temperature never overflow."""
+
 
 @dataclass
 class SamplingParams:
@@ -22,7 +25,7 @@ class SamplingParams:
     n: int = 1
     """Number of samples to return for the prompt."""
     temperature: float = 1.0
-    """Softmax temperature; 0 selects greedy decoding."""
+    """Softmax temperature; 0 (or anything below GREEDY_BELOW) selects greedy decoding."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 or -1 disables."""
     top_p: float = 1.0
@@ -112,7 +115,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":

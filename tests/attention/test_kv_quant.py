@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.attention.kv_quant import dequantize_rows, quantize_rows, row_bytes, storage_dtype
-from tokenmill.attention.paged import PagedKVCache
 from tokenmill.errors import InvalidParameterError
 
 from tests.attention.test_paged import BATCHES, PATHS, random_history, reference, run_paged
@@ -35,7 +35,7 @@ def test_rows_round_within_their_grid(kind):
 def test_unknown_kv_cache_dtype_is_rejected():
     with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
         storage_dtype("int4", torch.bfloat16)
-    from tokenmill.engine.cache_config import CacheConfig
+    from tokenmill.engine.config import CacheConfig
 
     with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="float8")
@@ -68,9 +68,9 @@ def test_attention_over_quantized_pool_matches_reference(device, dtype, batch, w
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_portable_path_agrees_with_avx512_path(dtype, kind):
     """The kernel's portable loop (machines without AVX-512) computes the same attention."""
-    from tokenmill.kernels import cpu_ops
+    from tokenmill.kernels import dispatch
 
-    kernels = cpu_ops.load()
+    kernels = dispatch.cpu_ops()
     if kernels is None:
         pytest.skip("CPU kernels unavailable")
     g = torch.Generator().manual_seed(3)
@@ -84,8 +84,9 @@ def test_kernel_portable_path_agrees_with_avx512_path(dtype, kind):
     tables = torch.randperm(blocks - 1, generator=g)[:36].add(1).view(3, 12).to(torch.int32)
     start, end = torch.tensor([0, 5, 17], dtype=torch.int32), torch.tensor([190, 6, 150], dtype=torch.int32)
     q = torch.randn(3, 6, head_dim, generator=g).to(dtype)
-    fast = kernels.paged_decode_attention(q, kc, vc, ksc, vsc, tables, start, end, 0.125, False)
-    portable = kernels.paged_decode_attention(q, kc, vc, ksc, vsc, tables, start, end, 0.125, True)
+    fast = kernels.paged_decode_attention(q, kc, vc, ksc, vsc, tables, start, end, 0.125)
+    portable = kernels.paged_decode_attention(q, kc, vc, ksc, vsc, tables, start, end, 0.125,
+                                              path=kernels.KernelPath.PORTABLE)
     assert (fast.double() - portable.double()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
 
 
@@ -156,14 +157,12 @@ def test_engine_generates_with_a_quantized_cache(tiny_dir64, kind):
 
 
 def test_smollm2_perplexity_with_int8_kv_cache_within_1_percent(smollm2_gguf):
-    from tokenmill.attention.paged import PagedAttentionBackend
-    from tokenmill.eval.commands import read_tokens
+    from tokenmill.eval.corpus import read_tokens
     from tokenmill.eval.corpus import fetch_corpus
     from tokenmill.eval.perplexity import perplexity
-    from tokenmill.loading.model_loader import load_model
-    from tokenmill.loading.sources import resolve_model
+    from tokenmill.loader import load_model
 
-    loaded = load_model(resolve_model(str(smollm2_gguf)), PagedAttentionBackend(), torch.bfloat16, "cpu")
+    loaded = load_model(str(smollm2_gguf), torch.bfloat16, "cpu")
     ids = read_tokens(loaded.tokenizer, fetch_corpus(), 2048)
     base = perplexity(loaded.model, ids, progress=False).perplexity
     for kind, bound in (("int8", 0.01), ("fp8", 0.03)):
@@ -176,9 +175,9 @@ def test_smollm2_perplexity_with_int8_kv_cache_within_1_percent(smollm2_gguf):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_write_stores_exactly_what_quantize_rows_gives(kind, dtype):
     """The C++ write (used on CPU when built) and the torch rounding (everywhere else) agree bit for bit."""
-    from tokenmill.kernels import cpu_ops
+    from tokenmill.kernels import dispatch
 
-    kernels = cpu_ops.load()
+    kernels = dispatch.cpu_ops()
     if kernels is None:
         pytest.skip("CPU kernels unavailable")
     g = torch.Generator().manual_seed(5)

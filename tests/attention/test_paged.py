@@ -8,7 +8,10 @@ import random
 import pytest
 import torch
 
-from tokenmill.attention.paged import PagedAttentionBackend, PagedAttentionMetadata, PagedKVCache
+from tokenmill.attention.kv_cache import PagedKVCache
+from tokenmill.attention.metadata import PagedAttentionMetadata
+from tokenmill.attention.paged import PagedAttentionBackend
+from tokenmill.attention.plan import DecodeSeq, PrefillSeq
 
 D = 16
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -140,6 +143,23 @@ def test_decodes_are_batched_by_length():
     assert meta.plan(0, None) is plan  # worked out once per step, shared by the layers
 
 
+def test_plan_gives_each_sequence_its_visible_blocks_and_key_range():
+    """The example of tokenmill.attention.plan: block_size 4, window 5, a decode at position 9 of
+    table [7, 2, 9] sees keys 5..9, tokens 1..5 of blocks [2, 9]."""
+    meta = PagedAttentionMetadata.build([1, 3], [10, 7], [[[7, 2, 9], [3, 4]]], 4)
+    plan = meta.plan(0, 5)
+    assert plan.decode_seqs == [DecodeSeq(row=0, blocks=[2, 9], key_start=1, key_end=6)]
+    # the chunk at positions 4..6: its first query (4) sees from key 0
+    assert plan.prefill_seqs == [PrefillSeq(start=1, end=4, context_len=7, blocks=[3, 4], key_start=0, key_end=7)]
+    assert plan.prefill_seqs[0].first_key == 0 and not plan.all_rows_decode
+    k = plan.kernel_decodes()
+    assert k.rows.tolist() == [0] and k.block_tables.tolist() == [[2, 9]]
+    assert (k.key_start.tolist(), k.key_end.tolist()) == ([1], [6])
+    p = plan.kernel_prefills()
+    assert p.rows == slice(1, 4) and p.query_start.tolist() == [0, 3] and p.block_tables.tolist() == [[3, 4]]
+    assert meta.plan(0, None).decode_seqs == [DecodeSeq(row=0, blocks=[7, 2, 9], key_start=0, key_end=10)]
+
+
 def test_new_keys_land_in_their_slots():
     batch = RAGGED
     ks, vs, qs = random_history(batch, 6, 2, torch.float32)
@@ -201,7 +221,8 @@ def test_budget_sizing():
 
 transformers = pytest.importorskip("transformers")
 
-from tokenmill.loading.model_loader import build_model, open_hf  # noqa: E402
+from tokenmill.loading.checkpoint import open_hf  # noqa: E402
+from tokenmill.models.builder import build_model  # noqa: E402
 
 from tests.models.test_parity_tiny import CONFIGS  # noqa: E402  (the same tiny models)
 
@@ -272,7 +293,7 @@ def paged_logits(model, prompts: list[list[int]], chunks: list[list[int]], block
 @pytest.mark.parametrize("device", DEVICES)
 def test_tiny_model_logits_match_hf_through_paged_cache(device, name, tmp_path):
     hf = _hf_model(name, tmp_path)
-    ours = build_model(open_hf(tmp_path), PagedAttentionBackend(), torch.float32, device)
+    ours = build_model(open_hf(tmp_path), torch.float32, device)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (40, 23, 31)]
     with torch.no_grad():

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
+from tokenmill.engine import EngineConfig, OutputAccumulator
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.request import SequenceStatus
 from tokenmill.errors import ContextLengthError, InvalidParameterError
-from tokenmill.loading.model_loader import LoadedModel
+from tokenmill.models.builder import LoadedModel
 from tests.model_utils import prompt_logits
 
 PROMPTS = [
@@ -229,8 +230,7 @@ def test_abort_frees_the_request_and_its_cache_slot(llm: LLM) -> None:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     requests = [engine.add_request(p, params) for p in PROMPTS[:3]]
-    engine.step()
-    engine.step()
+    early = engine.step() + engine.step()
     held = engine.kv.block_table(requests[1].sequences[0].seq_id)[0]
     used = engine.num_used_blocks
     assert used >= 3 and len(held) >= 1
@@ -240,7 +240,7 @@ def test_abort_frees_the_request_and_its_cache_slot(llm: LLM) -> None:
     assert victim.request_id not in engine.requests
     assert [s.status for s in victim.sequences] == [SequenceStatus.FINISHED_ABORTED]
     assert len(victim.sequences[0].output_token_ids) == 2
-    outputs = _run(engine)
+    outputs = _run(engine, early)
     assert victim.request_id not in outputs
     for request in (requests[0], requests[2]):
         assert len(outputs[request.request_id].outputs[0].token_ids) == 6
@@ -381,10 +381,18 @@ def _small_engine(llm: LLM, max_model_len: int) -> LLMEngine:
     return LLMEngine(loaded, llm.device, EngineConfig(max_model_len=max_model_len))
 
 
-def _run(engine: LLMEngine) -> dict:
-    finished = {}
+def _run(engine: LLMEngine, earlier: list | tuple = ()) -> dict:
+    """Step until idle; the cumulative output (``earlier`` deltas included) of each request that finished."""
+    outputs, finished = {}, {}
+
+    def fold(delta) -> None:
+        out = outputs.setdefault(delta.request_id, OutputAccumulator(delta.request_id)).add(delta)
+        if delta.finished:
+            finished[delta.request_id] = out
+
+    for delta in earlier:
+        fold(delta)
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+        for delta in engine.step():
+            fold(delta)
     return finished

@@ -9,7 +9,8 @@ import itertools
 
 from tokenmill.engine.request import Sequence, SequenceStatus
 from tokenmill.engine.sampler import SamplingState
-from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.config import SchedulerConfig
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -69,7 +70,7 @@ def run_step(sched: Scheduler) -> list[tuple[str, int]]:
         completes = item.completes
         item.seq.num_computed_tokens += item.num_new_tokens
         if completes:
-            item.seq.sampling.output_token_ids.append(7)
+            item.seq.append_token(7)
     return [(item.seq.request_id, item.num_new_tokens) for item in out.scheduled]
 
 

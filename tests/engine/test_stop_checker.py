@@ -23,7 +23,7 @@ def sequence(**params) -> Sequence:
 def feed(seq: Sequence, pieces: list[tuple[int, str]], max_model_len: int = 1000) -> int:
     """Append (token id, text it adds) pairs until the sequence finishes; return how many were taken."""
     for count, (token, text) in enumerate(pieces, 1):
-        seq.sampling.output_token_ids.append(token)
+        seq.append_token(token)
         check_stop(seq, text, EOS_IDS, max_model_len)
         if seq.status.finished:
             return count

@@ -10,8 +10,9 @@ import torch
 
 from tests.model_utils import prompt_logits
 from tests.quantization.helpers import tiny_loaded, write_tiny_checkpoint
+from tokenmill.engine.model_runner import ModelRunner, SequenceInput
 from tokenmill.errors import InvalidParameterError
-from tokenmill.eval.commands import read_tokens
+from tokenmill.eval.corpus import read_tokens
 from tokenmill.eval.corpus import corpus_text, markdown_to_text
 from tokenmill.eval.perplexity import perplexity, windows
 
@@ -35,6 +36,24 @@ def test_stride_equal_to_context_skips_window_starts():
 def test_bad_windows_are_rejected():
     with pytest.raises(InvalidParameterError):
         windows(10, 4, 5)
+
+
+def test_one_runner_for_whole_sequences_and_chunked_steps(tmp_path):
+    """The runner perplexity uses (a whole sequence over its own cache) and the engine's kind of step
+    (chunks over block tables handed in) give the same logits."""
+    model = tiny_loaded(write_tiny_checkpoint(tmp_path)).model
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    runner = ModelRunner.for_sequences(model, len(ids))
+    whole = model.compute_logits(runner.hidden(ids))
+    table = [list(range(1, runner.cache.num_blocks[0]))] * len(runner.cache.num_blocks)
+    first = runner.execute([SequenceInput(ids[:25], 0, table, samples=False, all_logits=True)])
+    rest = runner.execute([SequenceInput(ids[25:], 25, table, samples=True, all_logits=True)])
+    assert first.sample_rows == [] and rest.sample_rows == [0]
+    chunked = torch.cat([first.all_logits[0], rest.all_logits[0]])
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rest.sample_logits[0], whole[-1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(InvalidParameterError, match="1..40"):
+        runner.hidden(ids + ids)
 
 
 def hf_style_perplexity(model, ids: list[int], context: int, stride: int) -> tuple[float, int]:

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill.kernels import cpu_ops
+from tokenmill.kernels import dispatch
 from tokenmill.models.layers import linear
 
-kernels = cpu_ops.load()
+kernels = dispatch.cpu_ops()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.bf16_linear_fast(),
                                 reason="CPU kernels unavailable or no AVX-512 BF16 here")
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from tokenmill.kernels import cpu_ops
+from tokenmill.kernels import dispatch
 
-ops = cpu_ops.load()
+ops = dispatch.cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable")
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.kernels import dispatch
+from tokenmill.kernels.linear_spec import LinearKind
 from tokenmill.quantization import kernels as qk
 from tokenmill.quantization.linear import Int4Linear
 
-ops = qk.int4_cpu_kernels()
+ops = dispatch.for_int4("cpu")
 pytestmark = pytest.mark.skipif(ops is None, reason="int4 CPU kernel unavailable (needs AVX-512 BF16)")
 
 
@@ -22,13 +24,14 @@ def _linear(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int) -> I
                                             (32, 112, 32)])
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("generic", [False, True], ids=["avx512", "portable"])
-def test_matches_float64_reference(generic, dtype, m, n, k, group_size):
+@pytest.mark.parametrize("path", ["FASTEST", "PORTABLE"], ids=["avx512", "portable"])
+def test_matches_float64_reference(path, dtype, m, n, k, group_size):
     lin = _linear(n, k, group_size, dtype, n + k + m)
     x = torch.randn(m, lin.padded_in, generator=torch.Generator().manual_seed(m)).to(dtype)
     x[:, k:] = 0  # the padded columns of a K that is not a whole number of groups
     expected = x.double() @ torch.nn.functional.pad(lin.dequantize().double(), (0, lin.padded_in - k)).T
-    got = ops.int4_weight_linear(x, lin._kernel_weight, lin._scales_and_zeros, group_size, generic)
+    spec = lin.cpu_kernel_spec()
+    got = ops.int4_weight_linear(x, spec.weight, spec.scales, group_size, path=ops.KernelPath[path])
     assert got.dtype == dtype and got.shape == (m, n)
     rel = ((got.double() - expected).abs().max() / expected.abs().max()).item()
     # float32: x kept to about 16 bits (bfloat16 high + low parts); bfloat16: the output's rounding
@@ -37,7 +40,9 @@ def test_matches_float64_reference(generic, dtype, m, n, k, group_size):
 
 def test_module_forward_uses_it_and_matches_dequantized_weights():
     lin = _linear(100, 112, 32, torch.bfloat16, 0)  # N padded to 112 rows, K to 128 columns
-    assert lin._cpu_ops is not None and lin._kernel_weight.shape == (7, 32, 32)
+    spec = lin.cpu_kernel_spec()
+    assert spec is not None and spec.kind is LinearKind.INT4 and spec.weight.shape == (7, 32, 32)
+    assert (spec.out_features, spec.in_features, spec.group_size) == (100, 128, 32)
     x = torch.randn(5, 112).bfloat16()
     expected = x.double() @ lin.dequantize().double().T
     got = lin(x)
@@ -48,12 +53,13 @@ def test_module_forward_uses_it_and_matches_dequantized_weights():
 def test_rows_do_not_depend_on_the_batch_or_threads():
     lin = _linear(300 // 16 * 16, 576, 32, torch.bfloat16, 1)
     x = torch.randn(9, 576).bfloat16()
-    together = ops.int4_weight_linear(x, lin._kernel_weight, lin._scales_and_zeros, 32, False)
+    spec = lin.cpu_kernel_spec()
+    together = ops.int4_weight_linear(x, spec.weight, spec.scales, 32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         for i in range(9):
-            alone = ops.int4_weight_linear(x[i:i + 1], lin._kernel_weight, lin._scales_and_zeros, 32, False)
+            alone = ops.int4_weight_linear(x[i:i + 1], spec.weight, spec.scales, 32)
             assert torch.equal(alone[0], together[i])
     finally:
         torch.set_num_threads(threads)
@@ -73,10 +79,11 @@ def test_pack_layout():
 
 def test_bad_input_is_rejected():
     lin = _linear(16, 64, 32, torch.bfloat16, 2)
-    w, sz = lin._kernel_weight, lin._scales_and_zeros
+    spec = lin.cpu_kernel_spec()
+    w, sz = spec.weight, spec.scales
     with pytest.raises(RuntimeError, match="columns"):
-        ops.int4_weight_linear(torch.zeros(1, 32).bfloat16(), w, sz, 32, False)
+        ops.int4_weight_linear(torch.zeros(1, 32).bfloat16(), w, sz, 32)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops.int4_weight_linear(torch.zeros(1, 64, dtype=torch.float16), w, sz, 32, False)
+        ops.int4_weight_linear(torch.zeros(1, 64, dtype=torch.float16), w, sz, 32)
     with pytest.raises(RuntimeError, match="scales_zeros"):
-        ops.int4_weight_linear(torch.zeros(1, 64).bfloat16(), w, sz, 16, False)
+        ops.int4_weight_linear(torch.zeros(1, 64).bfloat16(), w, sz, 16)

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import cpu_ops
+from tokenmill.kernels import dispatch
 
-ops = cpu_ops.load()
+ops = dispatch.cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable")
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -58,10 +58,10 @@ class Case:
         self.key_end = torch.tensor(key_end, dtype=torch.int32)
         self.q = torch.cat(self.qs)
 
-    def run(self, generic: bool = False) -> torch.Tensor:
+    def run(self, path: str = "FASTEST") -> torch.Tensor:
         return ops.paged_prefill_attention(self.q, self.key_cache, self.value_cache, self.block_tables,
                                            self.query_start, self.key_start, self.key_end, self.window or 0,
-                                           self.scale, generic)
+                                           self.scale, path=ops.KernelPath[path])
 
     def _allowed(self, done: int, new: int) -> torch.Tensor:
         q_pos = torch.arange(done, done + new)[:, None]
@@ -131,7 +131,7 @@ def test_head_dims(dtype, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_portable_path(dtype, window):
     case = Case(SEQS, 6, 2, 32, 4, dtype, window)
-    check(case, case.run(generic=True))
+    check(case, case.run(path="PORTABLE"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
@@ -180,7 +180,7 @@ def test_rejects_bad_ranges():
     case = Case(SEQS[:2], 4, 2, 32, 4, torch.float32, None)
     with pytest.raises(RuntimeError):
         ops.paged_prefill_attention(case.q, case.key_cache, case.value_cache, case.block_tables,
-                                    case.query_start, case.key_start, case.key_end + 1000, 0, case.scale, False)
+                                    case.query_start, case.key_start, case.key_end + 1000, 0, case.scale)
     with pytest.raises(RuntimeError):
         ops.paged_prefill_attention(case.q[:-1].contiguous(), case.key_cache, case.value_cache, case.block_tables,
-                                    case.query_start, case.key_start, case.key_end, 0, case.scale, False)
+                                    case.query_start, case.key_start, case.key_end, 0, case.scale)

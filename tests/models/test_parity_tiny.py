@@ -8,8 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tokenmill.attention.paged import PagedAttentionBackend  # noqa: E402
-from tokenmill.loading.model_loader import build_model, open_hf  # noqa: E402
+from tokenmill.loading.checkpoint import open_hf  # noqa: E402
+from tokenmill.models.builder import build_model  # noqa: E402
 from tests.model_utils import prompt_logits  # noqa: E402
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
@@ -55,7 +55,7 @@ def test_tiny_model_logits_match_hf(name, device, dtype, tmp_path):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     hf = _hf_model(name, tmp_path).to(device=device, dtype=dtype)
-    ours = build_model(open_hf(tmp_path), PagedAttentionBackend(), dtype, device)
+    ours = build_model(open_hf(tmp_path), dtype, device)
     ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = hf(torch.tensor([ids], device=device)).logits[0].float()

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from tests.model_utils import save_byte_tokenizer
-from tokenmill.attention.paged import PagedAttentionBackend
 from tokenmill.config import ModelConfig
-from tokenmill.loading.model_loader import LoadedModel, build_model, open_hf
+from tokenmill.loading.checkpoint import open_hf
+from tokenmill.models.builder import LoadedModel, build_model
 from tokenmill.loading.sources import ModelSource
 from tokenmill.loading.tokenizer import Tokenizer
 
@@ -55,7 +55,7 @@ def write_tiny_checkpoint(path: Path, tie: bool = True, bias: bool = False, seed
 
 def tiny_loaded(path: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
     checkpoint = open_hf(path)
-    model = build_model(checkpoint, PagedAttentionBackend(), dtype, "cpu")
+    model = build_model(checkpoint, dtype, "cpu")
     return LoadedModel(model, checkpoint.config, Tokenizer.from_hf_dir(path), ModelSource(path.name, "hf", path))
 
 

@@ -125,7 +125,7 @@ def test_smollm2_gptq_g64_beats_rounding():
     """SmolLM2 at g64 on the corpus' first 1024 tokens: GPTQ (defaults: act-order, activation-weighted
     range search; 4 calibration sequences only) has lower perplexity than min-max round-to-nearest (measured
     on the first 8192 tokens with 8 calibration sequences: RTN +27%, GPTQ +3.9% over bf16)."""
-    from tokenmill.eval.commands import read_tokens
+    from tokenmill.eval.corpus import read_tokens
     from tokenmill.eval.corpus import fetch_corpus
     from tokenmill.eval.perplexity import perplexity
     from tokenmill.quantization import quantize

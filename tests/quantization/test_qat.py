@@ -13,10 +13,8 @@ import torch
 from tests.model_utils import prompt_logits
 from tests.quantization.helpers import tiny_loaded, write_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.paged import PagedAttentionBackend
 from tokenmill.errors import InvalidParameterError
-from tokenmill.loading.model_loader import load_model
-from tokenmill.loading.sources import resolve_model
+from tokenmill.loader import load_model
 from tokenmill.quantization import save_quantized
 from tokenmill.quantization.config import Int4WeightOnlyConfig, Int8WeightOnlyConfig
 from tokenmill.quantization.linear import Int4Linear, Int8Linear
@@ -168,7 +166,7 @@ def test_qat_command_writes_a_quantized_checkpoint(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     saved = json.loads((out / "config.json").read_text())["quantization_config"]
     assert saved["method"] == "int4" and saved["group_size"] == 32 and saved["range_search"] is False
-    reloaded = load_model(resolve_model(str(out)), PagedAttentionBackend(), torch.float32)
+    reloaded = load_model(str(out), torch.float32, "cpu")
     assert isinstance(reloaded.model.layers[0].mlp.down, Int4Linear)
     assert isinstance(reloaded.model.lm_head, Int8Linear)
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.attention.paged import PagedAttentionBackend
-from tokenmill.loading.model_loader import load_model
-from tokenmill.loading.sources import resolve_model
+from tokenmill.loader import load_model
 from tokenmill.quantization.linear import Int4Linear, Int8Linear, sqnr
 
 pytestmark = pytest.mark.real_model
@@ -21,7 +19,7 @@ LAYERS = ["layers.0.attn.qkv", "layers.14.mlp.gate_up", "layers.29.mlp.down", "l
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model(resolve_model("smollm2-135m-instruct"), PagedAttentionBackend(), torch.float32).model
+    return load_model("smollm2-135m-instruct", torch.float32, "cpu").model
 
 
 @pytest.mark.parametrize("layer", LAYERS)

@@ -11,11 +11,9 @@ import torch
 from tests.model_utils import prompt_logits
 from tests.quantization.helpers import small_config, tiny_loaded, write_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.paged import PagedAttentionBackend
 from tokenmill.errors import InvalidParameterError
 from tokenmill.loading.hf_config import hf_model_config
-from tokenmill.loading.model_loader import load_model
-from tokenmill.loading.sources import resolve_model
+from tokenmill.loader import load_model
 from tokenmill.quantization import (
     Int4WeightOnlyConfig,
     Int8WeightOnlyConfig,
@@ -78,7 +76,7 @@ def test_save_then_load_gives_identical_outputs(name, dtype, tmp_path):
     out = save_quantized(loaded, tmp_path / "q")
     saved = json.loads((out / "config.json").read_text())
     assert saved["quantization_config"] == CONFIGS[name].to_dict()
-    reloaded = load_model(resolve_model(out), PagedAttentionBackend(), dtype)
+    reloaded = load_model(out, dtype, "cpu")
     assert reloaded.model.quantization_config == CONFIGS[name]
     assert reloaded.model.embed.weight.dtype == dtype
     assert torch.equal(prompt_logits(reloaded.model, IDS), before)
@@ -90,9 +88,9 @@ def test_a_loaded_quantized_model_saves_again(tmp_path):
     src = write_tiny_checkpoint(tmp_path / "src")
     save_quantized(quantize(str(src), Int4WeightOnlyConfig(group_size=32), dtype="float32", progress=False),
                    tmp_path / "q1")
-    first = load_model(resolve_model(tmp_path / "q1"), PagedAttentionBackend(), torch.float32)
+    first = load_model(tmp_path / "q1", torch.float32, "cpu")
     save_quantized(first, tmp_path / "q2")
-    second = load_model(resolve_model(tmp_path / "q2"), PagedAttentionBackend(), torch.float32)
+    second = load_model(tmp_path / "q2", torch.float32, "cpu")
     assert torch.equal(prompt_logits(second.model, IDS), prompt_logits(first.model, IDS))
 
 

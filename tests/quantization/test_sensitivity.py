@@ -14,11 +14,9 @@ from torch import nn
 
 from tests.model_utils import prompt_logits
 from tests.quantization.helpers import tiny_loaded, write_tiny_checkpoint
-from tokenmill.attention.paged import PagedAttentionBackend
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.errors import InvalidParameterError
-from tokenmill.eval.perplexity import SequenceRunner
-from tokenmill.loading.model_loader import load_model
-from tokenmill.loading.sources import resolve_model
+from tokenmill.loader import load_model
 from tokenmill.paths import default_cache_dir
 from tokenmill.quantization import (
     Int4WeightOnlyConfig,
@@ -29,7 +27,6 @@ from tokenmill.quantization import (
     quantize_model,
     save_quantized,
 )
-from tokenmill.quantization.api import quantization_targets, set_module
 from tokenmill.quantization.linear import Int4Linear, Int8Linear, W8A8Linear, sqnr
 from tokenmill.quantization.sensitivity import (
     LayerSensitivity,
@@ -41,6 +38,7 @@ from tokenmill.quantization.sensitivity import (
     read_plan,
     write_plan,
 )
+from tokenmill.quantization.targets import quantization_targets, set_module
 
 IDS = list(range(3, 40, 2)) * 2
 KEEP = ("layers.0.attn.qkv", "layers.1.mlp.down", "lm_head")
@@ -113,7 +111,7 @@ def test_mixed_checkpoint_loads_with_identical_outputs(name, dtype, tie, tmp_pat
     before = prompt_logits(loaded.model, IDS)
     out = save_quantized(loaded, tmp_path / "q")
     assert json.loads((out / "config.json").read_text())["quantization_config"]["keep_layers"] == list(KEEP)
-    reloaded = load_model(resolve_model(out), PagedAttentionBackend(), dtype).model
+    reloaded = load_model(out, dtype, "cpu").model
     assert reloaded.quantization_config == CONFIGS[name]
     assert [type(m) for m in reloaded.modules()] == [type(m) for m in loaded.model.modules()]
     assert torch.equal(prompt_logits(reloaded, IDS), before)
@@ -129,7 +127,7 @@ def tiny_report(tmp_path_factory):
 
 
 def full_forward_nll(model, ids: list[list[int]]) -> float:
-    runner = SequenceRunner(model, max(len(s) for s in ids))
+    runner = ModelRunner.for_sequences(model, max(len(s) for s in ids))
     total = sum(torch.nn.functional.cross_entropy(model.compute_logits(runner.hidden(s)[:-1]), torch.tensor(s[1:]),
                                                   reduction="sum").item() for s in ids)
     return total / sum(len(s) - 1 for s in ids)
@@ -273,12 +271,12 @@ SMOLLM2_GGUF = default_cache_dir() / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf
 @pytest.mark.real_model
 @pytest.mark.skipif(not SMOLLM2_GGUF.exists(), reason="SmolLM2 GGUF not in the cache")
 def test_smollm2_plan_beats_plain_int4_g64():
-    from tokenmill.eval.commands import read_tokens
+    from tokenmill.eval.corpus import read_tokens
     from tokenmill.eval.corpus import fetch_corpus
     from tokenmill.eval.perplexity import perplexity
     from tokenmill.quantization.sensitivity import sensitivity_ids
 
-    loaded = load_model(resolve_model("smollm2-135m-instruct"), PagedAttentionBackend(), torch.float32)
+    loaded = load_model("smollm2-135m-instruct", torch.float32, "cpu")
     config = Int4WeightOnlyConfig(group_size=64, range_search=False)  # min-max rounding: quantizes in seconds
     report = analyze_sensitivity(loaded.model, config, sensitivity_ids(loaded.tokenizer, 512), torch.bfloat16,
                                  progress=False, tokenizer=loaded.tokenizer)

@@ -12,16 +12,16 @@ from tests.quantization.helpers import small_config, tiny_loaded, write_tiny_che
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention.paged import PagedAttentionBackend
 from tokenmill.errors import InvalidParameterError
-from tokenmill.loading.model_loader import load_model
-from tokenmill.loading.sources import resolve_model
+from tokenmill.loader import load_model
 from tokenmill.models.base import CausalLM
 from tokenmill.models.registry import MODEL_CLASSES
 from tokenmill.quantization import W8A8Config, config_from_dict, quantize_model, save_quantized
-from tokenmill.quantization.api import QuantizeContext, input_absmax
+from tokenmill.quantization.calibration import input_absmax
 from tokenmill.quantization.config import SMOOTHABLE_LAYERS
 from tokenmill.quantization.linear import W8A8Linear, sqnr
 from tokenmill.quantization.observers import make_observer
 from tokenmill.quantization.smoothing import smooth, smoothing_factors, smoothing_folds
+from tokenmill.quantization.targets import QuantizeContext
 
 IDS = list(range(3, 60, 3)) * 2
 CALIBRATION = [torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
@@ -188,7 +188,7 @@ def test_smoothed_checkpoint_round_trips(activation, tie, dtype, tmp_path):
     assert not torch.equal(loaded.model.norm.weight.float(), norm)
     before = prompt_logits(loaded.model, IDS)
     out = save_quantized(loaded, tmp_path / "q")
-    reloaded = load_model(resolve_model(out), PagedAttentionBackend(), dtype)
+    reloaded = load_model(out, dtype, "cpu")
     assert reloaded.model.quantization_config == config
     assert torch.equal(prompt_logits(reloaded.model, IDS), before)
 
@@ -203,12 +203,12 @@ MAX_PPL_CHANGE = 0.025
 
 @pytest.mark.real_model
 def test_smollm2_w8a8_smoothed_perplexity_and_round_trip(tmp_path):
-    from tokenmill.eval.commands import read_tokens
+    from tokenmill.eval.corpus import read_tokens
     from tokenmill.eval.corpus import fetch_corpus
     from tokenmill.eval.perplexity import perplexity
     from tokenmill.quantization import quantize
 
-    base = load_model(resolve_model("smollm2-135m-instruct"), PagedAttentionBackend(), torch.bfloat16)
+    base = load_model("smollm2-135m-instruct", torch.bfloat16, "cpu")
     ids = read_tokens(base.tokenizer, fetch_corpus(), PPL_TOKENS)  # as bench/quantization.py and eval do
     reference = perplexity(base.model, ids, context=512, stride=256, progress=False).perplexity
     loaded = quantize("smollm2-135m-instruct", W8A8Config(), dtype="bfloat16", progress=False)

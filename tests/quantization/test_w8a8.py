@@ -11,10 +11,8 @@ import torch
 from tests.model_utils import prompt_logits
 from tests.quantization.helpers import tiny_loaded, write_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.paged import PagedAttentionBackend
 from tokenmill.errors import InvalidParameterError
-from tokenmill.loading.model_loader import load_model
-from tokenmill.loading.sources import resolve_model
+from tokenmill.loader import load_model
 from tokenmill.quantization import W8A8Config, config_from_dict, quantize_model, save_quantized
 from tokenmill.quantization import kernels
 from tokenmill.quantization.linear import W8A8Linear, quantize_int8_per_channel, sqnr
@@ -293,7 +291,7 @@ def test_save_then_load_gives_identical_outputs(name, dtype, tmp_path):
     before = prompt_logits(loaded.model, IDS)
     out = save_quantized(loaded, tmp_path / "q")
     assert json.loads((out / "config.json").read_text())["quantization_config"] == CONFIGS[name].to_dict()
-    reloaded = load_model(resolve_model(out), PagedAttentionBackend(), dtype)
+    reloaded = load_model(out, dtype, "cpu")
     assert reloaded.model.quantization_config == CONFIGS[name]
     head = reloaded.model.lm_head
     assert isinstance(head, W8A8Linear) and head.static == (name != "dynamic")
@@ -309,7 +307,7 @@ def test_cli_quantize_w8a8_then_generate(tmp_path):
                  "--dtype", "float32"]) == 0
     saved = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert saved["method"] == "w8a8" and saved["activation"] == "dynamic" and saved["symmetric"] is False
-    loaded = load_model(resolve_model(tmp_path / "q"), PagedAttentionBackend(), torch.float32)
+    loaded = load_model(tmp_path / "q", torch.float32, "cpu")
     ids = IDS[:8]
     expected = []
     for _ in range(5):
@@ -328,7 +326,7 @@ REAL_LAYERS = ["layers.0.attn.qkv", "layers.14.mlp.gate_up", "layers.29.mlp.down
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model(resolve_model("smollm2-135m-instruct"), PagedAttentionBackend(), torch.float32).model
+    return load_model("smollm2-135m-instruct", torch.float32, "cpu").model
 
 
 @pytest.mark.real_model

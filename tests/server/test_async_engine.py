@@ -7,16 +7,22 @@ import asyncio
 import time
 
 from tokenmill import SamplingParams
+from tokenmill.engine import OutputAccumulator, RequestOutput
 from tokenmill.server.async_engine import AsyncEngine, EngineUpdate
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 
-async def last_update(queue: asyncio.Queue) -> EngineUpdate:
+async def last_update(queue: asyncio.Queue) -> tuple[EngineUpdate, RequestOutput]:
+    """The update that ends a request, and its output folded from every delta before it."""
+    acc = None
     while True:
         update = await asyncio.wait_for(queue.get(), 30)
+        acc = acc or OutputAccumulator(update.request_id)
+        if update.delta is not None:
+            acc.add(update.delta)
         if update.finished:
-            return update
+            return update, acc.output
 
 
 def run(engine: AsyncEngine, scenario) -> None:
@@ -42,13 +48,13 @@ def test_bad_request_and_deadline_do_not_stop_the_loop(tiny_llm) -> None:
         engine.add("late", [5, 6, 7], SamplingParams(max_tokens=240, ignore_eos=True), late,
                    time.monotonic() + 0.02)
         engine.add("good", [1, 2, 3], GREEDY, good, far)
-        failed = await last_update(bad)
+        failed, _ = await last_update(bad)
         assert failed.error == "invalid" and "vocabulary" in failed.message
-        done = await last_update(good)
-        assert done.error is None and len(done.output.outputs[0].token_ids) == 6
-        assert done.first_token_time >= done.arrival_time and done.scheduled_time is not None
-        expired = await last_update(late)
-        assert expired.error == "deadline" and len(expired.output.outputs[0].token_ids) < 240
+        done, output = await last_update(good)
+        assert done.error is None and len(output.outputs[0].token_ids) == 6
+        assert done.delta.first_token_time >= done.delta.arrival_time and done.delta.scheduled_time is not None
+        expired, output = await last_update(late)
+        assert expired.error == "deadline" and len(output.outputs[0].token_ids) < 240
 
     run(engine, scenario)
     assert snapshots[-1].num_running == 0 and snapshots[-1].num_used_blocks == 0
@@ -71,10 +77,10 @@ def test_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_llm, monkeypa
     async def scenario() -> None:
         first, second = asyncio.Queue(), asyncio.Queue()
         engine.add("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), first, far)
-        failed = await last_update(first)
+        failed, _ = await last_update(first)
         assert failed.error == "engine" and "injected failure" in failed.message
         engine.add("b", [1, 2, 3], GREEDY, second, far)
-        assert (await last_update(second)).error is None
+        assert (await last_update(second))[0].error is None
 
     run(engine, scenario)
 
@@ -104,7 +110,7 @@ def test_n_samples_arrive_together(tiny_llm) -> None:
     async def scenario() -> None:
         queue = asyncio.Queue()
         engine.add("n", [1, 2, 3], SamplingParams(max_tokens=4, n=n, seed=3), queue, time.monotonic() + 60)
-        done = await last_update(queue)
-        assert [o.index for o in done.output.outputs] == list(range(n))
+        _, output = await last_update(queue)
+        assert [o.index for o in output.outputs] == list(range(n)) and all(o.token_ids for o in output.outputs)
 
     run(engine, scenario)

@@ -57,7 +57,7 @@ def test_concurrency_limit(keys_file) -> None:
 
 
 def test_auth_limits_usage_and_admin(tiny_llm, keys_file) -> None:
-    with live_server(tiny_llm, api_keys_file=str(keys_file)) as server:
+    with live_server(tiny_llm, api_keys=str(keys_file)) as server:
         assert post(server, None, {"prompt": "hi"}).status_code == 401
         assert post(server, "wrong", {"prompt": "hi"}).json()["error"]["type"] == "authentication_error"
         with pytest.raises(openai.AuthenticationError):
@@ -84,7 +84,7 @@ def test_auth_limits_usage_and_admin(tiny_llm, keys_file) -> None:
 
 
 def test_prefix_cache_isolation_between_tenants(tiny_llm, keys_file) -> None:
-    with live_server(tiny_llm, api_keys_file=str(keys_file), isolate_tenant_prefix_cache=True) as server:
+    with live_server(tiny_llm, api_keys=str(keys_file), isolate_tenant_cache=True) as server:
         def cached(key: str) -> int:
             response = post(server, key, {"prompt": PREFIX})
             assert response.status_code == 200, response.text

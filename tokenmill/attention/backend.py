@@ -3,7 +3,8 @@
 A backend stores the new keys/values of a step into the KV cache and computes attention of the
 new queries over each sequence's cached context. The layer passes everything as arguments
 (its cache storage, the step's metadata), so device-specific kernels plug in behind this call.
-``tokenmill.attention.paged`` holds the implementation used on CPU and CUDA.
+``tokenmill.attention.paged`` holds the implementation used on CPU and CUDA, over the storage of
+``tokenmill.attention.kv_cache`` and the step of ``tokenmill.attention.metadata``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from tokenmill.attention.paged import PagedAttentionMetadata, PagedLayer
+    from tokenmill.attention.kv_cache import PagedLayer
+    from tokenmill.attention.metadata import PagedAttentionMetadata
 
 
 class KVCache(Protocol):

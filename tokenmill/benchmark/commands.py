@@ -7,7 +7,11 @@ import json
 import math
 from pathlib import Path
 
+from tokenmill.config import LoadConfig
+from tokenmill.engine import ENGINE_OPTIONS
 from tokenmill.errors import InvalidParameterError
+from tokenmill.benchmark.offline import OfflineConfig
+from tokenmill.options import add_option_group, from_namespace, option_fields
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,17 +43,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     compare.add_argument("--threshold", type=float, default=0.05, help="worse by more than this is a regression")
     compare.add_argument("--fail-on-regression", action="store_true", help="exit status 1 when any metric regresses")
     offline = kinds.add_parser("offline", help="engine-only throughput and latency, MBU/MFU and a roofline plot")
-    offline.add_argument("--model", "-m", default=None, help="model (default: smollm2-135m-instruct)")
-    offline.add_argument("--dtype", default="auto")
-    offline.add_argument("--device", default="auto")
-    offline.add_argument("--num-requests", type=int, default=64)
-    offline.add_argument("--input-len", default="256", help="prompt tokens: N or LO:HI (default 256)")
-    offline.add_argument("--output-len", default="128", help="output tokens: N or LO:HI (default 128)")
-    offline.add_argument("--max-num-seqs", type=int, default=64)
-    offline.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    offline.add_argument("--kv-cache-memory", type=float, default=0.1, help="bytes, or a fraction of free memory")
-    offline.add_argument("--kv-cache-dtype", default="auto", help="auto, int8 or fp8: how the KV cache is stored")
-    offline.add_argument("--seed", type=int, default=0)
+    add_option_group(offline, LoadConfig)
+    for cls in ENGINE_OPTIONS:  # --seed is the workload's (below); the requests are greedy
+        add_option_group(offline, cls, exclude=("seed",))
+    add_option_group(offline, OfflineConfig)
     offline.add_argument("--remeasure", action="store_true", help="measure the hardware ceilings again")
     offline.add_argument("--out", default=None, help="result JSON (default bench/results/offline-<time>.json)")
     offline.add_argument("--no-progress", action="store_true")
@@ -224,22 +221,20 @@ def _read(path: str, read_json) -> dict:
 def cmd_offline(args: argparse.Namespace) -> int:
     from tokenmill.benchmark.hardware import load_or_measure
     from tokenmill.benchmark.offline import (
-        OfflineConfig,
         format_offline,
         plot_offline_roofline,
         run_offline,
     )
     from tokenmill.benchmark.report import default_out, write_json
-    from tokenmill.engine.llm import LLM
+    from tokenmill.llm import LLM
 
     _require("matplotlib")
-    kv = int(args.kv_cache_memory) if args.kv_cache_memory > 1 else args.kv_cache_memory
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=kv,
-              kv_cache_dtype=args.kv_cache_dtype)
+    options = {f.name: getattr(args, f.name) for cls in (LoadConfig, *ENGINE_OPTIONS) for f in option_fields(cls)
+               if f.name not in ("model", "seed")}
+    llm = LLM(args.model, **options)
     print(f"hardware ceilings of {llm.device} (measured once, cached)...", flush=True)
     ceilings = load_or_measure(llm.device, remeasure=args.remeasure)
-    config = OfflineConfig(args.num_requests, args.input_len, args.output_len, args.seed)
+    config = from_namespace(OfflineConfig, args)
     result = run_offline(llm, config, ceilings, progress=not args.no_progress)
     print(format_offline(result))
     path = write_json(result, args.out or default_out("offline"))

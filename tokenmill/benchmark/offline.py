@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import numpy as np
@@ -27,17 +28,23 @@ from tokenmill.benchmark.hardware import HardwareCeilings, ModelCost, plot_roofl
 from tokenmill.benchmark.metrics import Distribution
 from tokenmill.benchmark.report import fmt, table
 from tokenmill.benchmark.workloads import LengthDist
+from tokenmill.config import Config
+from tokenmill.options import option
 from tokenmill.sampling_params import SamplingParams
 
 PERCENTILES = (50, 90, 99)
 
 
 @dataclass(frozen=True)
-class OfflineConfig:
-    num_requests: int = 64
-    input_len: str = "256"
-    output_len: str = "128"
-    seed: int = 0
+class OfflineConfig(Config):
+    """The offline benchmark's workload: random prompts of token ids, greedy, EOS ignored."""
+
+    title: ClassVar[str] = "workload"
+
+    num_requests: int = option(64, "requests, all added at once")
+    input_len: str = option("256", "prompt tokens: N or LO:HI")
+    output_len: str = option("128", "output tokens: N or LO:HI")
+    seed: int = option(0, "seed of the workload's prompts and lengths")
 
 
 @dataclass(frozen=True)
@@ -79,11 +86,11 @@ def run_offline(llm, config: OfflineConfig, ceilings: HardwareCeilings, progress
             decode_only = stats.num_batched_tokens == stats.num_scheduled and stats.num_sampled == stats.num_scheduled
             steps.append(StepCost(stats.seconds, stats.num_batched_tokens, decode_only,
                                   cost.bytes_read(stats.kv_tokens), cost.flops(stats.num_batched_tokens)))
-            for out in outputs:
-                if out.outputs[0].token_ids and out.request_id not in first:
-                    first[out.request_id] = now
-                if out.finished:
-                    done[out.request_id] = now
+            for delta in outputs:
+                if delta.num_new_tokens and delta.request_id not in first:
+                    first[delta.request_id] = now
+                if delta.finished:
+                    done[delta.request_id] = now
                     bar.update(1)
     duration = time.perf_counter() - start
     return _result(llm, config, cost, ceilings, steps, added, first, done, duration)

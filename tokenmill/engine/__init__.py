@@ -1,0 +1,25 @@
+"""The serving engine: requests, scheduler, paged KV cache manager, model runner, sampler.
+
+Its public API is ``__all__`` below; layers above it (the server, the benchmarks, the offline
+``LLM``) use only these names (tests/test_import_contract.py enforces it for the server).
+"""
+
+from tokenmill.engine.config import ENGINE_OPTIONS, CacheConfig, EngineConfig, SchedulerConfig, add_engine_options
+from tokenmill.engine.limits import PromptLimits
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import (
+    CompletionOutput,
+    OutputAccumulator,
+    RequestDelta,
+    RequestOutput,
+    SampleDelta,
+    TokenLogprobs,
+)
+from tokenmill.engine.request import Request
+from tokenmill.engine.stats import EngineSnapshot, StepStats
+
+__all__ = [
+    "ENGINE_OPTIONS", "CacheConfig", "CompletionOutput", "EngineConfig", "EngineSnapshot", "LLMEngine",
+    "OutputAccumulator", "PromptLimits", "Request", "RequestDelta", "RequestOutput", "SampleDelta",
+    "SchedulerConfig", "StepStats", "TokenLogprobs", "add_engine_options",
+]

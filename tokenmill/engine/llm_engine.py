@@ -6,7 +6,7 @@
       run the model       one ragged forward pass over all scheduled tokens (model_runner.py)
       sample              one batched sampler call for every sequence that completed its tokens
       bookkeeping         cache full blocks, fork n > 1 samples, detokenize, check stops, free
-      report              outputs of the requests that changed, and the step's statistics
+      report              one RequestDelta per changed request (what is new: outputs.py), step statistics
 """
 
 from __future__ import annotations
@@ -15,61 +15,27 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-
 import torch
 
+from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.attention.kv_quant import storage_dtype
-from tokenmill.attention.paged import PagedKVCache
 from tokenmill.config import layer_groups
-from tokenmill.engine.cache_config import CacheConfig
+from tokenmill.engine.config import CacheConfig, EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
-from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from tokenmill.engine.model_runner import ModelRunner, SequenceInput
+from tokenmill.engine.limits import PromptLimits
+from tokenmill.engine.outputs import RequestDelta, SampleDelta, TokenLogprobs
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
 from tokenmill.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs
-from tokenmill.engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from tokenmill.engine.scheduler import ScheduledSequence, Scheduler
+from tokenmill.engine.stats import EngineSnapshot, StepStats
 from tokenmill.engine.stop_checker import check_stop, stream_safe_length
-from tokenmill.errors import ContextLengthError, InvalidParameterError
+from tokenmill.errors import InvalidParameterError
 from tokenmill.loading.detokenizer import IncrementalDetokenizer
-from tokenmill.loading.model_loader import LoadedModel
+from tokenmill.models.builder import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_model_len: int | None = None
-    """Context window in tokens; None means the model's own."""
-    seed: int | None = None
-    """Seed of the RNG used by requests without their own seed."""
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-
-    def __post_init__(self) -> None:
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise InvalidParameterError(f"max_model_len must be >= 2, got {self.max_model_len}")
-
-
-@dataclass
-class StepStats:
-    """What one step did, for metrics and benchmarks."""
-
-    num_running: int
-    """Sequences holding KV after the step."""
-    num_waiting: int
-    num_scheduled: int
-    num_batched_tokens: int
-    num_sampled: int
-    kv_used_blocks: int
-    """Blocks held by sequences, all KV groups together."""
-    kv_tokens: int
-    """Tokens whose KV the running sequences hold (so kv_used_blocks * block_size - kv_tokens slots are idle)."""
-    kv_usage: float
-    prefix_hit_tokens: int
-    num_preempted: int
-    seconds: float
 
 
 class LLMEngine:
@@ -78,6 +44,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.kv, cache = self._init_kv_cache(loaded, config.cache, device)
+        self.limits = PromptLimits(loaded.config.vocab_size, self.max_model_len, self.kv_capacity_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(loaded.model, cache, device)
         self.sampler = Sampler(loaded.config.vocab_size, seed=config.seed)
@@ -118,7 +85,7 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
         params = params or SamplingParams()
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
-        self._validate_prompt(ids, params)
+        self.limits.check(ids)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
@@ -146,22 +113,6 @@ class LLMEngine:
         return Sequence(request_id, index, ids, state, detok, priority=priority, arrival_time=now, cache_salt=salt,
                         logprobs=[] if params.logprobs is not None else None)
 
-    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise InvalidParameterError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidParameterError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens but the context window is {self.max_model_len} tokens; "
-                f"shorten the prompt by at least {len(ids) - self.max_model_len + 1} tokens")
-        if len(ids) + 1 > self.kv_capacity_tokens:
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens but the KV cache holds {self.kv_capacity_tokens}; "
-                f"raise kv_cache_memory")
-
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -180,8 +131,15 @@ class LLMEngine:
         """KV blocks held by sequences, all groups together (0 once every request has ended)."""
         return sum(g.pool.num_blocks - 1 - g.num_free_blocks for g in self.kv.groups)
 
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state now: running and waiting sequences, KV use, prefix-cache and preemption counters."""
+        prefix = self.kv.prefix_cache_stats
+        return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting, self.num_used_blocks,
+                              self.kv.usage, prefix.queries, prefix.hits, self.scheduler.num_preemptions)
+
     # ---- one step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
+        """One forward pass; what each request that changed gained in it."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         changed: dict[str, Request] = {}
@@ -195,17 +153,20 @@ class LLMEngine:
             sum(s.completes for s in plan.scheduled), self.num_used_blocks,
             sum(s.num_computed_tokens for s in running), self.kv.usage, plan.prefix_hit_tokens,
             len(plan.preempted), time.perf_counter() - start))
-        return [self._report(request) for request in changed.values()]
+        return [self._delta(request) for request in changed.values()]
 
     def _run(self, scheduled: list[ScheduledSequence], changed: dict[str, Request]) -> None:
         for group, pairs in enumerate(self.kv.take_pending_copies()):
             self.runner.cache.copy_blocks(group, pairs)
-        tables = [self.kv.block_table(item.seq.seq_id) for item in scheduled]
-        wants_all = [self._wants_prompt_logprobs(item) for item in scheduled]
-        result = self.runner.execute(scheduled, tables, wants_all)
-        for i, item in enumerate(scheduled):
-            if wants_all[i]:
-                self._add_prompt_logprobs(item, result.all_logits[i])
+        inputs = []
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            inputs.append(SequenceInput(seq.all_token_ids[start:start + item.num_new_tokens], start,
+                                        self.kv.block_table(seq.seq_id), item.completes,
+                                        self._wants_prompt_logprobs(item)))
+        result = self.runner.execute(inputs)
+        for i in result.all_logits:
+            self._add_prompt_logprobs(scheduled[i], result.all_logits[i])
         completing = [scheduled[i] for i in result.sample_rows]
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -254,7 +215,7 @@ class LLMEngine:
         request.prompt_logprobs.extend(TokenLogprobs(t, e["logprob"], e["top"]) for t, e in zip(targets, entries))
 
     def _append(self, seq: Sequence, sample) -> None:
-        seq.sampling.output_token_ids.append(sample.token_id)
+        seq.append_token(sample.token_id)
         if seq.logprobs is not None:
             seq.logprobs.append(TokenLogprobs(sample.token_id, sample.logprob, list(sample.top_logprobs or [])))
         check_stop(seq, seq.detokenizer.add(sample.token_id), self.eos_token_ids, self.max_model_len)
@@ -272,18 +233,35 @@ class LLMEngine:
         changed[request.request_id] = request
 
     # ---- outputs --------------------------------------------------------------------------------
-    def _report(self, request: Request) -> RequestOutput:
-        if request.finished:
+    def _delta(self, request: Request) -> RequestDelta:
+        """What ``request`` gained since its previous delta; a finished request leaves the engine."""
+        samples = [d for d in map(_sample_delta, request.sequences) if d is not None]
+        finished = request.finished
+        if finished:
             request.finish_time = time.monotonic()
             self.requests.pop(request.request_id, None)
-        return self.make_output(request)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and len(request.prompt_logprobs) > request.num_sent_prompt_logprobs:
+            prompt_logprobs = request.prompt_logprobs[request.num_sent_prompt_logprobs:]
+            request.num_sent_prompt_logprobs = len(request.prompt_logprobs)
+        first = request.sequences[0]
+        return RequestDelta(request.request_id, samples, finished, prompt_logprobs, max(first.num_cached_tokens, 0),
+                            request.arrival_time, first.scheduled_time, request.first_token_time,
+                            request.finish_time)
 
-    @staticmethod
-    def make_output(request: Request, streaming: bool = False) -> RequestOutput:
-        outputs = []
-        for seq in request.sequences:
-            text = seq.text[:stream_safe_length(seq)] if streaming else seq.text
-            outputs.append(CompletionOutput(seq.index, text, list(seq.output_token_ids), seq.status.finish_reason,
-                                            seq.stop_reason, seq.logprobs))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.prompt_logprobs)
+
+def _sample_delta(seq: Sequence) -> SampleDelta | None:
+    """The tokens, text and logprobs ``seq`` gained since it last reported; None when nothing changed.
+
+    Text that may still be the start of a stop string stays back while the sample runs
+    (stream_safe_length); a cut at a stop string only ever removes such held-back text."""
+    finished = seq.status.finished
+    num_tokens, num_chars = len(seq.output_token_ids), stream_safe_length(seq)
+    if num_tokens == seq.num_sent_tokens and num_chars == seq.num_sent_chars and (seq.finish_sent or not finished):
+        return None
+    start = seq.num_sent_tokens
+    delta = SampleDelta(seq.index, seq.output_token_ids[start:], seq.text[seq.num_sent_chars:num_chars],
+                        seq.logprobs[start:] if seq.logprobs is not None else None, seq.status.finish_reason,
+                        seq.stop_reason)
+    seq.num_sent_tokens, seq.num_sent_chars, seq.finish_sent = num_tokens, num_chars, finished
+    return delta

@@ -1,10 +1,25 @@
-"""The model runner: one forward pass over the new tokens of every scheduled sequence.
+"""The model runner: one forward pass over the new tokens of a batch of sequences.
 
-Input: the scheduler's list of (sequence, number of new tokens) and each sequence's block
-tables. The tokens of all sequences are concatenated (ragged, no padding) with their
-positions and a PagedAttentionMetadata; the output is the float32 logits of the last new
-token of every sequence that completes this step (it samples), plus the logits of every new
-position for sequences that asked for prompt logprobs.
+Input: one :class:`SequenceInput` per sequence (its new tokens, how many tokens before them the
+KV cache already holds, its block tables, which logits it wants). The runner knows nothing of
+requests or scheduling: the engine, perplexity evaluation and quantization calibration all run
+the model through it. The tokens of all sequences are concatenated (ragged, no padding) with
+their positions and a PagedAttentionMetadata::
+
+    sequence     A (prefill chunk)       B (decode)   C (decode)
+    computed     0                       7            12
+    new tokens   a0 a1 a2 a3             b7           c12
+    flat batch   [a0 a1 a2 a3 b7 c12]    positions [0 1 2 3 7 12]
+
+Output (:class:`RunnerOutput`): the float32 logits of the last new token of every sequence that
+samples, plus the logits of every new position of the sequences that want them all (prompt
+logprobs). :meth:`ModelRunner.hidden` returns the final hidden states instead, for callers that
+score or observe a whole sequence.
+
+Two ways to get a runner: over a KV cache whose blocks someone else hands out (the engine: its
+KV cache manager fills the block tables), or :meth:`ModelRunner.for_sequences`, over a throwaway
+cache of its own that holds one whole sequence of up to ``max_len`` tokens at a time in blocks
+1, 2, ... (block 0 is the null block); each :meth:`~ModelRunner.hidden` call overwrites it.
 """
 
 from __future__ import annotations
@@ -13,43 +28,98 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.paged import PagedAttentionMetadata, PagedKVCache
-from tokenmill.engine.scheduler import ScheduledSequence
+from tokenmill.attention.kv_cache import PagedKVCache
+from tokenmill.attention.metadata import PagedAttentionMetadata
+from tokenmill.config import layer_groups
+from tokenmill.engine.config import CacheConfig
+from tokenmill.errors import InvalidParameterError
 from tokenmill.models.base import CausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInput:
+    """One sequence's share of a forward pass."""
+
+    token_ids: list[int]
+    """The new tokens, at positions ``num_computed ..``; their keys and values are written to the cache."""
+    num_computed: int
+    """Tokens of the sequence before them whose KV the cache already holds (and attention reads)."""
+    block_tables: list[list[int]]
+    """Per KV group, the sequence's block ids, covering at least ``num_computed + len(token_ids)`` tokens."""
+    samples: bool
+    """Return the logits of the last new token (the sequence samples its next token)."""
+    all_logits: bool = False
+    """Also return the logits of every new token (prompt logprobs)."""
 
 
 @dataclass
 class RunnerOutput:
     sample_logits: torch.Tensor
-    """[number of completing sequences, vocab] float32, in schedule order."""
+    """[number of sampling sequences, vocab] float32, in input order."""
     sample_rows: list[int]
-    """Index in the schedule of each row of ``sample_logits``."""
+    """Index in the input of each row of ``sample_logits``."""
     all_logits: dict[int, torch.Tensor]
-    """Index in the schedule -> [num_new_tokens, vocab] for sequences that asked (prompt logprobs)."""
+    """Index in the input -> [len(token_ids), vocab] for the sequences with ``all_logits``."""
 
 
 class ModelRunner:
+    """Runs ``model`` over ``cache``, whose block ids the callers hand out."""
+
     def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device) -> None:
         self.model, self.cache, self.device = model, cache, device
+        self.max_len = 0
+        """Longest whole sequence :meth:`hidden` takes: 0 unless made by :meth:`for_sequences`."""
+        self._table: list[int] = []
+        self._num_groups = max(cache.layer_groups) + 1
+
+    @classmethod
+    def for_sequences(cls, model: CausalLM, max_len: int, block_size: int = CacheConfig.block_size,
+                      kv_cache_dtype: str = "auto") -> ModelRunner:
+        """A runner over a throwaway paged KV cache of its own, for whole sequences of up to
+        ``max_len`` tokens (:meth:`hidden`), on the model's device, in the model's dtype
+        (``kv_cache_dtype`` ``int8``/``fp8``: keys and values stored quantized)."""
+        cfg, weight = model.config, model.embed.weight
+        groups, _ = layer_groups(cfg)
+        num_blocks = -(-max_len // block_size) + 1
+        cache = PagedKVCache(num_blocks, block_size, groups, cfg.num_kv_heads, cfg.head_dim, weight.dtype,
+                             weight.device, kv_cache_dtype)
+        runner = cls(model, cache, weight.device)
+        runner.max_len, runner._table = max_len, list(range(1, num_blocks))
+        return runner
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence], block_tables: list[list[list[int]]],
-                wants_all_logits: list[bool]) -> RunnerOutput:
-        """``block_tables[i]``: per KV group, the block ids of scheduled sequence i."""
+    def execute(self, inputs: list[SequenceInput]) -> RunnerOutput:
+        """One forward pass over every input's new tokens -> the logits they asked for."""
         tokens: list[int] = []
         query_lens, context_lens = [], []
-        for item in scheduled:
-            start = item.seq.num_computed_tokens
-            tokens.extend(item.seq.all_token_ids[start:start + item.num_new_tokens])
-            query_lens.append(item.num_new_tokens)
-            context_lens.append(start + item.num_new_tokens)
-        per_group = [list(tables) for tables in zip(*block_tables)]
+        for item in inputs:
+            tokens.extend(item.token_ids)
+            query_lens.append(len(item.token_ids))
+            context_lens.append(item.num_computed + len(item.token_ids))
+        per_group = [list(tables) for tables in zip(*(item.block_tables for item in inputs))]
         meta = PagedAttentionMetadata.build(query_lens, context_lens, per_group, self.cache.block_size, self.device)
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta.positions(self.device), self.cache, meta)
-        rows = [i for i, item in enumerate(scheduled) if item.completes]
+        hidden = self._forward(tokens, meta)
+        rows = [i for i, item in enumerate(inputs) if item.samples]
         last = meta.last_token_indices()
         logits = self.model.compute_logits(hidden[[last[i] for i in rows]])
         full = {i: self.model.compute_logits(hidden[meta.query_start_loc[i]:meta.query_start_loc[i + 1]])
-                for i, wants in enumerate(wants_all_logits) if wants}
+                for i, item in enumerate(inputs) if item.all_logits}
         return RunnerOutput(logits, rows, full)
+
+    def sequence_metadata(self, n: int) -> PagedAttentionMetadata:
+        """The step metadata of a whole sequence of ``n`` tokens (positions 0..n-1) in this
+        runner's own blocks (a :meth:`for_sequences` runner)."""
+        if not 0 < n <= self.max_len:
+            raise InvalidParameterError(f"sequence of {n} tokens; this runner takes 1..{self.max_len}")
+        return PagedAttentionMetadata.build([n], [n], [[self._table]] * self._num_groups, self.cache.block_size,
+                                            self.device)
+
+    @torch.inference_mode()
+    def hidden(self, ids: list[int]) -> torch.Tensor:
+        """Final hidden states [len(ids), hidden] (before the final norm) of the whole sequence
+        ``ids``, computed from scratch over this runner's own blocks (a :meth:`for_sequences` runner)."""
+        return self._forward(ids, self.sequence_metadata(len(ids)))
+
+    def _forward(self, tokens: list[int], meta: PagedAttentionMetadata) -> torch.Tensor:
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.model(input_ids, meta.positions(self.device), self.cache, meta)

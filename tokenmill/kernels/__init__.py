@@ -1,2 +1,7 @@
 """Device kernels behind small Python entry points; callers fall back to PyTorch ops when a
-kernel is not available on the device at hand."""
+kernel is not available on the device at hand.
+
+    dispatch      which kernels run: decided once per process, asked by every caller
+    cpu_ops       the builder of the C++ CPU kernels (cpu/*.cpp), compiled on first use
+    linear_spec   a linear layer as the one-call CPU decode stack runs it
+"""

@@ -1,18 +1,18 @@
-"""CPU kernels written in C++ (``tokenmill/kernels/cpu/*.cpp``), compiled once per machine on first
-use with the host's C++ compiler (``-O3 -march=native``) into ``~/.cache/tokenmill/kernels``.
+"""The builder of tokenmill's CPU kernels written in C++ (``tokenmill/kernels/cpu/*.cpp``): compiled
+with the host's C++ compiler (``-O3 -march=native``) into ``~/.cache/tokenmill/kernels``, one
+directory per source hash, so a machine compiles each version once (about two minutes) and later
+processes only load it.
 
-``load()`` returns the compiled module, or None when it cannot be built (no compiler, no ninja,
-``TOKENMILL_CPU_KERNELS=0``): the engine then uses its PyTorch path, slower but the same results
-within float rounding. Build failures are logged once.
+:func:`build` compiles (when needed) and loads the module, raising on any failure. Whether to
+build at all, and what runs when it fails, is :mod:`tokenmill.kernels.dispatch`'s decision: call
+``dispatch.cpu_ops()``, not this module.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
-import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -20,19 +20,12 @@ import torch
 
 logger = logging.getLogger("tokenmill.kernels")
 
+MODULE_NAME = "tokenmill_cpu_kernels"
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "prefill_attention.cpp", "int8_linear.cpp", "int4_linear.cpp",
                         "bf16_linear.cpp", "kv_write.cpp", "decoder.cpp", "bindings.cpp")]
-HEADERS = [Path(__file__).parent / "cpu" / "simd.h"]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("kernels.h", "simd.h")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
-
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
-
-
-def enabled() -> bool:
-    return os.environ.get("TOKENMILL_CPU_KERNELS", "1") not in ("0", "false", "no")
 
 
 def build_dir() -> Path:
@@ -46,26 +39,16 @@ def build_dir() -> Path:
     return default_cache_dir() / "kernels" / digest.hexdigest()[:16]
 
 
-def load() -> ModuleType | None:
-    """The compiled CPU kernels, building them on first call; None when unavailable."""
-    global _module, _tried
-    if _tried:
-        return _module
-    with _lock:
-        if _tried:
-            return _module
-        if enabled():
-            try:
-                from torch.utils.cpp_extension import load as cpp_load
+def build() -> ModuleType:
+    """The compiled module, compiling it first when this machine has no build of these sources.
 
-                directory = build_dir()
-                directory.mkdir(parents=True, exist_ok=True)
-                logger.info("loading CPU kernels from %s (compiled on first use)", directory)
-                _module = cpp_load(name="tokenmill_cpu_kernels", sources=[str(s) for s in SOURCES],
-                                   extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                                   verbose=False)
-            except Exception as exc:  # no compiler, no ninja, build error: the PyTorch path still works
-                logger.warning("CPU kernels unavailable, using the PyTorch attention path: %s", exc)
-                _module = None
-        _tried = True
-    return _module
+    Raises whatever stops it (no compiler, no ninja, a compile error). Not thread-safe and not
+    cached: dispatch calls it once per process, under its lock."""
+    from torch.utils.cpp_extension import load as cpp_load
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / f"{MODULE_NAME}.so").exists():
+        logger.info("compiling CPU kernels into %s (first use of these sources on this machine)", directory)
+    return cpp_load(name=MODULE_NAME, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)

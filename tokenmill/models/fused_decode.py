@@ -8,9 +8,11 @@ dispatch time between about 15 operations per layer, which at batch 1 was as lon
 matmuls themselves.
 
 It applies to Llama-family and Gemma 3 blocks whose linears are dense (bfloat16 ones by the packed
-kernel of ``layers.linear``), :class:`Int8Linear` or
-:class:`Int4Linear` with tokenmill's CPU kernel, on a float32 or bfloat16 model, with the
-paged-decode kernel available; anything else keeps the layer-by-layer path.
+kernel of ``layers.linear``) or describe themselves for the CPU kernels (a module with a
+``cpu_kernel_spec()`` returning a :class:`~tokenmill.kernels.linear_spec.CpuLinearSpec`: the
+quantized linears, INT4 only with tokenmill's CPU kernel), on a float32 or bfloat16 model, with the
+paged-decode kernel available; anything else keeps the layer-by-layer path. The quantization
+package is not imported here: a layer is asked for its spec, by duck typing.
 """
 
 from __future__ import annotations
@@ -18,27 +20,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.attention.paged import PagedAttentionBackend, PagedAttentionMetadata, PagedKVCache
-from tokenmill.kernels import cpu_ops
+from tokenmill.attention.kv_cache import PagedKVCache
+from tokenmill.attention.metadata import PagedAttentionMetadata
+from tokenmill.attention.paged import PagedAttentionBackend
+from tokenmill.kernels import dispatch
+from tokenmill.kernels.linear_spec import CpuLinearSpec, LinearKind
 from tokenmill.models.layers import packed_bf16_weight, weight_key
-from tokenmill.quantization.linear import Int4Linear, Int8Linear
 
-DENSE, INT8, INT4, PACKED_BF16 = 0, 1, 2, 3
+ROPE_GLOBAL, ROPE_LOCAL = 0, 1
+"""Indices of the (cos, sin) tables in :meth:`FusedDecoder.run`'s ``ropes``: global, then local
+(sliding-window layers; the global table again for models without their own local RoPE)."""
 
 
-def _linear_spec(module: nn.Module, ops) -> tuple | None:
-    """(kind, weight, scales, bias, group_size, out_features, padded_in) of a linear the stack can run."""
+def dense_linear_spec(module: nn.Linear, ops) -> CpuLinearSpec:
+    """A dense ``nn.Linear`` as the stack runs it: by the packed bfloat16 kernel where
+    ``layers.linear`` multiplies by it, else by ``at::linear``."""
+    packed = packed_bf16_weight(module, module.weight, ops)  # what layers.linear multiplies by
+    kind = LinearKind.DENSE if packed is None else LinearKind.BF16_PACKED
+    return CpuLinearSpec(kind=kind, weight=module.weight if packed is None else packed,
+                         out_features=module.out_features, in_features=module.in_features, bias=module.bias)
+
+
+def linear_spec(module: nn.Module, ops) -> CpuLinearSpec | None:
+    """How the stack runs ``module``, or None when it cannot: a dense ``nn.Linear``, or a module
+    that describes itself (``cpu_kernel_spec()``, None when it has no CPU kernel here)."""
     if type(module) is nn.Linear:
-        packed = packed_bf16_weight(module, module.weight, ops)  # what layers.linear multiplies by
-        if packed is not None:
-            return PACKED_BF16, packed, torch.empty(0), module.bias, 0, module.out_features, module.in_features
-        return DENSE, module.weight, torch.empty(0), module.bias, 0, module.out_features, module.in_features
-    if type(module) is Int8Linear:
-        return INT8, module.qweight, module.scale, module.bias, 0, module.out_features, module.in_features
-    if type(module) is Int4Linear and module._cpu_ops is not None:
-        return (INT4, module._kernel_weight, module._scales_and_zeros, module.bias, module.group_size,
-                module.out_features, module.padded_in)
-    return None
+        return dense_linear_spec(module, ops)
+    describe = getattr(module, "cpu_kernel_spec", None)
+    return describe() if callable(describe) else None
 
 
 class FusedDecoder:
@@ -62,15 +71,13 @@ class FusedDecoder:
         from tokenmill.models.gemma3 import Gemma3Block
         from tokenmill.models.llama import LlamaBlock
 
-        ops = cpu_ops.load()
-        dtype = model.embed.weight.dtype
-        if (ops is None or model.embed.weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
-                or not isinstance(kv_cache, PagedKVCache)):
+        ops = dispatch.for_tensors(model.embed.weight)
+        if ops is None or not isinstance(kv_cache, PagedKVCache):
             return None
         cfg = model.config
         if not ops.supports_head_dim(cfg.head_dim):
             return None
-        stack = ops.DecodeStack(cfg.rms_norm_eps, model.norm_cast_before_scale)
+        stack = ops.DecodeStack(eps=cfg.rms_norm_eps, cast_before_scale=model.norm_cast_before_scale)
         plan_keys: list[tuple[int, int | None]] = []
         linears: list[nn.Module] = []
         packed: list[nn.Module] = []
@@ -82,11 +89,11 @@ class FusedDecoder:
             if type(backend) is not PagedAttentionBackend or backend.use_cpu_kernel is False:
                 return None
             modules = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
-            specs = [_linear_spec(m, ops) for m in modules]
+            specs = [linear_spec(m, ops) for m in modules]
             if any(s is None for s in specs):
                 return None
             linears.extend(modules)
-            packed.extend(m for m, spec in zip(modules, specs) if spec[0] == PACKED_BF16)
+            packed.extend(m for m, spec in zip(modules, specs) if spec.kind is LinearKind.BF16_PACKED)
             norms = [block.attn_norm.weight, block.ffn_norm.weight]
             if type(block) is Gemma3Block:
                 norms += [block.post_attn_norm.weight, block.post_ffn_norm.weight]
@@ -96,9 +103,11 @@ class FusedDecoder:
             key = (layer.group, attn.sliding_window)
             if key not in plan_keys:
                 plan_keys.append(key)
-            rope = 1 if cfg.layer_type(i) == "sliding" else 0
-            stack.add_layer(norms, qk_norms, specs, attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.scale,
-                            mlp.act != "silu", rope, plan_keys.index(key), cache)
+            qkv, o, gate_up, down = (spec.native(ops) for spec in specs)
+            rope = ROPE_LOCAL if cfg.layer_type(i) == "sliding" else ROPE_GLOBAL
+            stack.add_layer(norms=norms, qk_norms=qk_norms, qkv=qkv, o=o, gate_up=gate_up, down=down,
+                            heads=attn.n_heads, kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
+                            gelu_tanh=mlp.act != "silu", rope=rope, plan=plan_keys.index(key), cache=cache)
         return cls(stack, tuple(linears), plan_keys, packed)
 
     def current_for(self, model: nn.Module) -> bool:
@@ -119,4 +128,4 @@ class FusedDecoder:
         for group, window in self.plan_keys:
             d = meta.plan(group, window).kernel_decodes()
             plans.append((meta.slot_mapping[group], d.block_tables, d.key_start, d.key_end))
-        return self.stack.run(h, ropes, plans)
+        return self.stack.run(h=h, ropes=ropes, plans=plans)

@@ -9,19 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.attention.paged import PagedAttentionMetadata, PagedLayer
+from tokenmill.attention.kv_cache import PagedLayer
+from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import ModelConfig, RopeScaling
-from tokenmill.kernels import cpu_ops
-
-
-def cpu_kernels(x: torch.Tensor, *params: torch.Tensor):
-    """tokenmill's compiled CPU kernels when they can run an operation on ``x``: a float32 or
-    bfloat16 CPU tensor and no gradient wanted (QAT trains through the PyTorch path); else None."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-        return None
-    return cpu_ops.load()
+from tokenmill.kernels import dispatch
 
 
 def weight_key(weight: torch.Tensor) -> tuple:
@@ -51,7 +42,7 @@ def packed_bf16_linear(owner: nn.Module, weight: torch.Tensor, bias: torch.Tenso
     None where it does not apply (not bfloat16, not CPU, gradients wanted, no AVX-512 BF16)."""
     if x.dtype != torch.bfloat16:
         return None
-    ops = cpu_kernels(x, weight)
+    ops = dispatch.for_inference(x, weight)
     packed = packed_bf16_weight(owner, weight, ops) if ops is not None else None
     if packed is None:
         return None
@@ -88,7 +79,7 @@ class RMSNorm(nn.Module):
         self.cast_before_scale = cast_before_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = cpu_kernels(x, self.weight)
+        ops = dispatch.for_inference(x, self.weight)
         if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps, self.cast_before_scale)
         h = x.float()
@@ -146,7 +137,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(self.gate_up, x)
-        ops = cpu_kernels(gate_up)
+        ops = dispatch.for_inference(gate_up)
         if ops is not None and gate_up.dim() == 2:
             return linear(self.down, ops.act_mul(gate_up, self.act != "silu"))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -180,7 +171,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: PagedLayer, meta: PagedAttentionMetadata) -> torch.Tensor:
         qkv = linear(self.qkv, x)
-        ops = cpu_kernels(qkv, *(n.weight for n in (self.q_norm, self.k_norm) if n is not None))
+        ops = dispatch.for_inference(qkv, *(n.weight for n in (self.q_norm, self.k_norm) if n is not None))
         if ops is not None and qkv.dim() == 2:
             q, k, v = ops.qkv_rope(qkv, self.n_heads, self.n_kv_heads, self.head_dim, *rope,
                                    None if self.q_norm is None else self.q_norm.weight,

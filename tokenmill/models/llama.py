@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.attention.paged import PagedAttentionMetadata, PagedLayer
+from tokenmill.attention.kv_cache import PagedLayer
+from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.models.layers import Attention, GatedMLP, RMSNorm

@@ -6,7 +6,7 @@ Names load on first use, so that the CLI's parser stays free of torch."""
 import importlib
 
 _EXPORTS = {
-    "HANDLERS": "api", "quantize": "api", "quantize_model": "api", "register": "api",
+    "HANDLERS": "handlers", "quantize": "api", "quantize_model": "api",
     "load_quantized": "checkpoint", "save_quantized": "checkpoint",
     "CONFIG_CLASSES": "config", "Int4GPTQConfig": "config", "Int4WeightOnlyConfig": "config",
     "Int8WeightOnlyConfig": "config", "QuantConfig": "config", "W8A8Config": "config",

@@ -7,10 +7,10 @@
                           layers.3.attn.qkv.scale, ..., embed.weight, norm.weight, lm_head.qweight
       tokenizer.json, tokenizer_config.json, chat_template.jinja (when the model has one)
 
-The loader recognises the directory by ``quantization_config`` in config.json, builds the
-model on the meta device, swaps in empty quantized layers where the saved config says, and
-assigns the saved tensors: the outputs match the model that was saved, bit for bit, when it
-is loaded in the dtype it was quantized for.
+``tokenmill.loader.load_model`` recognises the directory by ``quantization_config`` in
+config.json; :func:`load_quantized` builds the model on the meta device, swaps in empty quantized
+layers where the saved config says, and assigns the saved tensors: the outputs match the model
+that was saved, bit for bit, when it is loaded in the dtype it was quantized for.
 """
 
 from __future__ import annotations
@@ -18,16 +18,20 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelFormatError
+from tokenmill.loading.checkpoint import Checkpoint
+from tokenmill.loading.hf_config import hf_model_config
 from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.models.base import CausalLM
-from tokenmill.quantization.api import quantization_targets, set_module
+from tokenmill.models.builder import LoadedModel, build_model
+from tokenmill.quantization.targets import quantization_targets, set_module
 from tokenmill.quantization.config import (
     Int4WeightOnlyConfig,
     Int8WeightOnlyConfig,
@@ -36,9 +40,6 @@ from tokenmill.quantization.config import (
     config_from_dict,
 )
 from tokenmill.quantization.linear import Int4Linear, Int8Linear, QuantizedLinear, W8A8Linear
-
-if TYPE_CHECKING:
-    from tokenmill.loading.model_loader import LoadedModel
 
 WEIGHTS_FILE = "model.safetensors"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -64,20 +65,15 @@ def save_quantized(loaded: LoadedModel, out_dir: str | Path) -> Path:
     return out
 
 
-def load_quantized(path: Path, backend: Any, dtype: torch.dtype, device: torch.device | str,
-                   ) -> tuple[CausalLM, ModelConfig]:
-    """Build the model a :func:`save_quantized` directory holds, computing in ``dtype`` on ``device``."""
-    from tokenmill.loading.hf_config import hf_model_config
-    from tokenmill.loading.model_loader import (  # it imports this package
-        Checkpoint,
-        build_model,
-    )
-
+def load_quantized(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                   backend: AttentionBackend | None = None) -> tuple[CausalLM, ModelConfig]:
+    """Build the model a :func:`save_quantized` directory holds, computing in ``dtype`` on ``device``
+    (``backend``: the attention backend, a new PagedAttentionBackend by default)."""
     raw = json.loads((Path(path) / "config.json").read_text())
     model_config = hf_model_config(raw)
     quant_config = config_from_dict(raw["quantization_config"])
-    model = build_model(Checkpoint(model_config, _read_tensors(Path(path) / WEIGHTS_FILE)), backend, dtype, device,
-                        adapt=lambda m: _swap_empty(m, quant_config, dtype))
+    model = build_model(Checkpoint(model_config, _read_tensors(Path(path) / WEIGHTS_FILE)), dtype, device,
+                        adapt=lambda m: _swap_empty(m, quant_config, dtype), backend=backend)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.prepare()
@@ -133,8 +129,6 @@ def _compute_dtype(model: CausalLM) -> torch.dtype:
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """An HF ``config.json`` that :func:`~tokenmill.loading.hf_config.hf_model_config` reads back
     as ``cfg`` (checked: a config it cannot express is an error, not a silent change)."""
-    from tokenmill.loading.hf_config import hf_model_config
-
     out: dict[str, Any] = {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,

@@ -8,13 +8,12 @@ rejects unknown keys; ``config.to_dict()`` is what a quantized checkpoint stores
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 from tokenmill.config import reject_unknown_keys
 from tokenmill.errors import InvalidParameterError
+from tokenmill.loading.hf_config import quantization_config_of  # noqa: F401  (defined with the HF config reader)
 
 GROUP_SIZES = (32, 64, 128, 256)
 
@@ -239,11 +238,3 @@ def config_from_dict(data: dict[str, Any]) -> QuantConfig:
     reject_unknown_keys(cls, data)
     return cls(**data)
 
-
-def quantization_config_of(path: str | Path) -> dict[str, Any] | None:
-    """The ``quantization_config`` saved in a directory's config.json; None for an ordinary checkpoint."""
-    try:
-        raw = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return raw.get("quantization_config") if isinstance(raw, dict) else None

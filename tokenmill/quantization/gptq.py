@@ -22,12 +22,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.models.base import CausalLM
-from tokenmill.quantization.api import (
-    QuantizeContext, Target, calibration_ids, cast_float_parameters, register, set_module)
+from tokenmill.quantization.calibration import calibration_ids
 from tokenmill.quantization.config import Int4GPTQConfig
 from tokenmill.quantization.linear import (
     Int4Linear, Int8Linear, int4_group_params, int4_round, int4_search_params, pack_int4, pad_to_groups)
+from tokenmill.quantization.targets import QuantizeContext, Target, cast_float_parameters, set_module
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, dtype: torch.dtype,
@@ -145,56 +146,6 @@ def gptq_linear(target: Target, hessian: torch.Tensor, config: Int4GPTQConfig, d
     return Int4Linear(pack_int4(q), scale, zero, target.weight.shape[1], bias).prepare()
 
 
-class MeanSquareHooks:
-    """Forward pre-hooks accumulating the mean square of each input column of some linear layers
-    (float32 [K]): the diagonal of H / tokens, llama.cpp's "importance matrix"."""
-
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.counts: dict[str, int] = {}
-        self.handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
-
-    def _hook(self, name: str):
-        def hook(module: nn.Module, args: tuple) -> None:
-            self.add(name, args[0])
-        return hook
-
-    def add(self, name: str, x: torch.Tensor) -> None:
-        """Count inputs x [..., K] of layer ``name``."""
-        x = x.reshape(-1, x.shape[-1]).float()
-        self.sums[name] = self.sums.get(name, 0) + (x * x).sum(dim=0)
-        self.counts[name] = self.counts.get(name, 0) + x.shape[0]
-
-    def mean_squares(self) -> dict[str, torch.Tensor]:
-        return {name: total / self.counts[name] for name, total in self.sums.items()}
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def input_mean_squares(model: CausalLM, names: list[str], samples: list[list[int]],
-                       progress: bool = True) -> dict[str, torch.Tensor]:
-    """Each named linear layer's input mean square per column [K] over ``samples`` run through the
-    (float) model. A tied LM head, which has no module, gets the final norm's output's."""
-    from tokenmill.eval.perplexity import SequenceRunner
-
-    modules = {n: model.get_submodule(n) for n in names if n != "lm_head" or model.lm_head is not None}
-    hooks = MeanSquareHooks(modules)
-    runner = SequenceRunner(model, max(len(s) for s in samples))
-    try:
-        with torch.inference_mode():
-            for ids in tqdm(samples, desc="input mean squares", disable=not progress, unit="seq"):
-                hidden = runner.hidden(ids)
-                if "lm_head" in modules:
-                    model.compute_logits(hidden)
-                elif "lm_head" in names:
-                    hooks.add("lm_head", model.norm(hidden))
-    finally:
-        hooks.remove()
-    return hooks.mean_squares()
-
-
 class HessianHooks:
     """Forward pre-hooks accumulating H = sum x x^T (float32) of the inputs of some linear layers."""
 
@@ -214,14 +165,13 @@ class HessianHooks:
             handle.remove()
 
 
-@register(Int4GPTQConfig)
-def _int4_gptq(model: CausalLM, config: Int4GPTQConfig, targets: list[Target], ctx: QuantizeContext) -> None:
-    from tokenmill.eval.perplexity import SequenceRunner
-
+def quantize_gptq(model: CausalLM, config: Int4GPTQConfig, targets: list[Target], ctx: QuantizeContext) -> None:
+    """The int4-gptq handler: calibrate and quantize the blocks one by one (see the module docstring),
+    then the LM head (INT8 with ``lm_head_int8``, else GPTQ on the final norm's outputs)."""
     samples = calibration_ids(ctx, config.num_samples, config.seq_len, config.method)
     by_name = {t.name: t for t in targets}  # their weights stay float32 when the model was
     cast_float_parameters(model, ctx.dtype)  # calibrate in the dtype the model will run in
-    runner = SequenceRunner(model, max(len(s) for s in samples))
+    runner = ModelRunner.for_sequences(model, max(len(s) for s in samples))
     device = model.embed.weight.device
     with torch.inference_mode():
         hidden = [model.embed_tokens(torch.tensor(s, device=device)) for s in samples]
@@ -247,13 +197,13 @@ def _int4_gptq(model: CausalLM, config: Int4GPTQConfig, targets: list[Target], c
 
 
 @torch.inference_mode()
-def _run_block(model: CausalLM, runner, index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+def _run_block(model: CausalLM, runner: ModelRunner, index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
     """Block ``index`` over each sequence's hidden states, as CausalLM.forward runs it."""
     out = []
     sliding = model.config.layer_type(index) == "sliding" and model.config.rope_local_theta
     rotary = model.rotary_local if sliding else model.rotary_global
     for h in hidden:
-        meta = runner.metadata(h.shape[0])
+        meta = runner.sequence_metadata(h.shape[0])
         positions = meta.positions(h.device)
         out.append(model.layers[index](h, rotary(positions, h.dtype), runner.cache.layer(index), meta))
     return out

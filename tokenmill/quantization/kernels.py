@@ -4,7 +4,7 @@ INT8 weight-only: on CPU tokenmill's ``int8_weight_linear`` (tokenmill/kernels/c
 the weights read once per call whatever the number of rows; PyTorch's ``_weight_int8pack_mm``
 reads them once per row, 2.4x slower at 32 rows in bfloat16 and 20x in float32), else
 ``torch._weight_int8pack_mm(x, w_int8 [N, K], scales [N])`` (CUDA, or CPU without the kernels).
-INT4 weight-only: on CPU with AVX-512 BF16, tokenmill's ``int4_weight_linear``
+INT4 weight-only: on CPU with AVX-512 BF16 (``dispatch.for_int4``), tokenmill's ``int4_weight_linear``
 (tokenmill/kernels/cpu/int4_linear.cpp, layout built by :func:`int4_cpu_pack`), else the tinygemm
 convention on both devices, ``w = (q - 8) * scale + zero`` with
 q in 0..15 and one (scale, zero) per group of ``group_size`` input columns; the weight is
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.kernels import dispatch
+
 ALIGNMENT = 64
 """Bytes. The CPU int8 kernel reads its operands with aligned vector loads and crashes (SIGSEGV, no
 error) on a tensor whose data starts off a 32-byte boundary, as a view at an offset or a tensor
@@ -36,12 +38,9 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] float, qweight int8 [N, K] and scale [N] in x's dtype, both aligned -> [M, N]."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        from tokenmill.kernels import cpu_ops
-
-        ops = cpu_ops.load()
-        if ops is not None:
-            return ops.int8_weight_linear(x, qweight, scale, False)
+    ops = dispatch.for_tensors(x)
+    if ops is not None:
+        return ops.int8_weight_linear(x, qweight, scale)
     return torch._weight_int8pack_mm(aligned(x), qweight, scale)
 
 
@@ -91,14 +90,6 @@ def int4_weight_mm(x: torch.Tensor, kernel_weight: torch.Tensor, group_size: int
     if x.device.type == "cuda":
         return torch._weight_int4pack_mm(x, kernel_weight, group_size, scales_and_zeros)
     return torch._weight_int4pack_mm_for_cpu(x, kernel_weight, group_size, scales_and_zeros)
-
-
-def int4_cpu_kernels():
-    """tokenmill's compiled CPU kernels when their fast INT4 path is built (AVX-512 BF16), else None."""
-    from tokenmill.kernels import cpu_ops
-
-    ops = cpu_ops.load()
-    return ops if ops is not None and ops.int4_linear_fast() else None
 
 
 def int4_cpu_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import UnsupportedModelError
+from tokenmill.kernels import dispatch
+from tokenmill.kernels.linear_spec import CpuLinearSpec, LinearKind
 from tokenmill.quantization import kernels
 from tokenmill.quantization.observers import qparams_from_range, quantize_int8
 
@@ -89,6 +91,12 @@ class Int8Linear(QuantizedLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_weight_mm(x, self.qweight, self.scale)
 
+    def cpu_kernel_spec(self) -> CpuLinearSpec:
+        """This layer for tokenmill's CPU decode stack: ``int8_weight_linear`` over its own
+        (aligned, after :meth:`prepare`) qweight and scale."""
+        return CpuLinearSpec(kind=LinearKind.INT8, weight=self.qweight, out_features=self.out_features,
+                             in_features=self.in_features, scales=self.scale, bias=self.bias)
+
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scale.float()[:, None]
 
@@ -130,7 +138,7 @@ class Int4Linear(QuantizedLinear):
         """The kernels take N in multiples of 16: extra rows (q = 0, scale = zero = 0) are cut from the output."""
         pad = -self.out_features % 16
         qweight, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (self.qweight, self.scale, self.zero))
-        self._cpu_ops = kernels.int4_cpu_kernels() if qweight.device.type == "cpu" else None
+        self._cpu_ops = dispatch.for_int4(qweight.device)
         if self._cpu_ops is not None:  # tokenmill's kernel: its own layout
             self._kernel_weight, self._scales_and_zeros = kernels.int4_cpu_pack(qweight, scale, zero)
         else:
@@ -144,13 +152,23 @@ class Int4Linear(QuantizedLinear):
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
         if self._cpu_ops is not None and x.dtype in (torch.float32, torch.bfloat16):
-            y = self._cpu_ops.int4_weight_linear(x, self._kernel_weight, self._scales_and_zeros, self.group_size, False)
+            y = self._cpu_ops.int4_weight_linear(x, self._kernel_weight, self._scales_and_zeros, self.group_size)
         elif self._cpu_ops is not None:  # float16 and others: in float32
             y = self._cpu_ops.int4_weight_linear(x.float(), self._kernel_weight, self._scales_and_zeros,
-                                                 self.group_size, False).to(x.dtype)
+                                                 self.group_size).to(x.dtype)
         else:
             y = kernels.int4_weight_mm(x.contiguous(), self._kernel_weight, self.group_size, self._scales_and_zeros)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+    def cpu_kernel_spec(self) -> CpuLinearSpec | None:
+        """This layer for tokenmill's CPU decode stack: ``int4_weight_linear`` over the layout
+        :meth:`prepare` built for it, input padded to ``padded_in``; None when prepare chose
+        PyTorch's int4 kernel instead (not on CPU, or no AVX-512 BF16 here)."""
+        if self._cpu_ops is None:
+            return None
+        return CpuLinearSpec(kind=LinearKind.INT4, weight=self._kernel_weight, out_features=self.out_features,
+                             in_features=self.padded_in, scales=self._scales_and_zeros, bias=self.bias,
+                             group_size=self.group_size)
 
     def dequantize(self) -> torch.Tensor:
         q = kernels.unpack_nibbles(self.qweight).float().view(self.out_features, -1, self.group_size)

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,18 +51,19 @@ from torch import nn
 from tqdm import tqdm
 
 from tokenmill.config import reject_unknown_keys
+from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.errors import InvalidParameterError
 from tokenmill.models.base import CausalLM
+from tokenmill.models.builder import LoadedModel
 from tokenmill.models.layers import Attention
-from tokenmill.quantization.api import cast_float_parameters, quantization_targets, set_module
+from tokenmill.paths import default_cache_dir
+from tokenmill.quantization.api import load_float32
 from tokenmill.quantization.config import (
     GROUP_SIZES, Int4WeightOnlyConfig, Int8WeightOnlyConfig, QuantConfig)
 from tokenmill.quantization.linear import (
     Int4Linear, Int8Linear, QuantizedLinear, int4_group_params, int4_round, pad_to_groups,
     quantize_int8_per_channel)
-
-if TYPE_CHECKING:
-    from tokenmill.loading.model_loader import LoadedModel
+from tokenmill.quantization.targets import cast_float_parameters, quantization_targets, set_module
 
 TRAIN_SPLIT = (0.25, 0.75)
 """Fractions of the corpus characters that training reads: its middle half (see the module docstring)."""
@@ -448,16 +449,10 @@ def qat(model: str | os.PathLike, config: QATConfig, dtype: str | torch.dtype = 
         progress: bool = True, cache_dir: str | os.PathLike | None = None) -> tuple[LoadedModel, QATLog]:
     """Load a model (name, GGUF file, HF directory) in float32, train it with QAT on the corpus and
     convert it: -> (a quantized ``LoadedModel`` in ``dtype``, ready for ``save_quantized``, the losses)."""
-    from tokenmill.attention.paged import PagedAttentionBackend
-    from tokenmill.device import resolve_device, resolve_dtype
-    from tokenmill.loading.model_loader import load_model
-    from tokenmill.loading.sources import resolve_model
-    from tokenmill.paths import default_cache_dir
-
     resolved = resolve_device(device)
     target_dtype = resolve_dtype(dtype, resolved)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    loaded = load_model(resolve_model(model, cache), PagedAttentionBackend(), torch.float32, resolved, cache_dir=cache)
+    loaded = load_float32(model, resolved, cache)
     teacher = copy.deepcopy(loaded.model) if config.distill_weight > 0 else None
     prepare_qat(loaded.model, config, target_dtype)
     log = qat_finetune(loaded.model, loaded.tokenizer, config, teacher, progress, cache)

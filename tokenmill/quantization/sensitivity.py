@@ -1,7 +1,7 @@
 """Per-layer sensitivity to quantization, and a mixed-precision plan built from it.
 
 :func:`analyze_sensitivity` quantizes a copy of the model with a config, then measures each
-quantizable layer (:func:`~tokenmill.quantization.api.quantization_targets`) on its own:
+quantizable layer (:func:`~tokenmill.quantization.targets.quantization_targets`) on its own:
 
     weight SQNR   sqnr(W, dequantized W)                                  dB
     output SQNR   sqnr(x W^T, quantized layer(x)) on inputs x the layer
@@ -34,19 +34,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.errors import InvalidParameterError
-from tokenmill.eval.perplexity import SequenceRunner
 from tokenmill.models.base import CausalLM
-from tokenmill.quantization.api import (
-    Target,
-    cast_float_parameters,
-    kept_module,
-    quantization_targets,
-    quantize_model,
-    set_module,
-)
+from tokenmill.quantization.api import kept_module, quantize_model
 from tokenmill.quantization.config import QuantConfig, config_from_dict
 from tokenmill.quantization.linear import sqnr
+from tokenmill.quantization.targets import Target, cast_float_parameters, quantization_targets, set_module
 
 
 @dataclass(frozen=True)
@@ -177,17 +171,17 @@ def sensitivity_ids(tokenizer: Any, num_tokens: int = 2048, seq_len: int = 512, 
 
 # --------------------------------------------------------------------------- running part of the model
 
-def run_block(model: CausalLM, runner: Any, index: int, h: torch.Tensor) -> torch.Tensor:
+def run_block(model: CausalLM, runner: ModelRunner, index: int, h: torch.Tensor) -> torch.Tensor:
     """Block ``index`` over one sequence's hidden states [T, hidden], as CausalLM.forward runs it
-    (``runner``: a SequenceRunner, for its KV cache and metadata)."""
-    meta = runner.metadata(h.shape[0])
+    (``runner``: a :meth:`ModelRunner.for_sequences` runner, for its KV cache and metadata)."""
+    meta = runner.sequence_metadata(h.shape[0])
     positions = meta.positions(h.device)
     sliding = model.config.layer_type(index) == "sliding" and model.config.rope_local_theta
     rotary = model.rotary_local if sliding else model.rotary_global
     return model.layers[index](h, rotary(positions, h.dtype), runner.cache.layer(index), meta)
 
 
-def run_blocks(model: CausalLM, runner: Any, start: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+def run_blocks(model: CausalLM, runner: ModelRunner, start: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
     """Blocks ``start``..L-1 over each sequence's hidden states entering block ``start``."""
     out = []
     for h in hidden:
@@ -210,7 +204,7 @@ def mean_nll(model: CausalLM, final: list[torch.Tensor], ids: list[list[int]]) -
 
 def model_nll(model: CausalLM, ids: list[list[int]]) -> float:
     """Mean NLL per scored token of the whole model's own forward over each sequence."""
-    runner = SequenceRunner(model, max(len(s) for s in ids))
+    runner = ModelRunner.for_sequences(model, max(len(s) for s in ids))
     return mean_nll(model, [runner.hidden(s) for s in ids], ids)
 
 
@@ -265,7 +259,7 @@ class _Prepared:
 
     reference: CausalLM
     quantized: CausalLM
-    runner: Any
+    runner: ModelRunner
     block_inputs: list[list[torch.Tensor]]
     """[block][sequence] hidden states entering each block; index L: the final hidden states."""
     inputs: InputSampler
@@ -313,7 +307,7 @@ def _prepare(model: CausalLM, quantized: CausalLM, config: QuantConfig, ids: lis
     _check_only_layers_changed(reference, quantized, config)
     names = [t.name for t in quantization_targets(reference, config)]
     inputs = InputSampler(reference, names, sqnr_rows, len(ids))
-    runner = SequenceRunner(reference, max(len(s) for s in ids))
+    runner = ModelRunner.for_sequences(reference, max(len(s) for s in ids))
     device = reference.embed.weight.device
     block_inputs: list[list[torch.Tensor]] = [[] for _ in range(len(reference.layers) + 1)]
     try:

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from tokenmill.engine.llm import LLM
+from tokenmill.llm import LLM
 from tokenmill.server import chat, completions, models, ops
 from tokenmill.server.admission import AdmissionController
 from tokenmill.server.async_engine import AsyncEngine
@@ -31,13 +31,12 @@ def create_state(llm: LLM, config: ServerConfig) -> ServerState:
     """Wire a loaded model to the server's parts; the engine thread starts with the app."""
     engine = llm.engine
     name = config.served_model_name or llm.model_name
-    tenancy = Tenancy.load(config.api_keys_file)
+    tenancy = Tenancy.load(config.api_keys)
     metrics = ServerMetrics(name, tenancy)
     admission = AdmissionController(engine.config.scheduler.max_num_seqs, config.max_queued_requests,
                                     config.max_queued_tokens, config.retry_after)
     return ServerState(config, AsyncEngine(engine, on_snapshot=metrics.observe_snapshot), llm.tokenizer, name,
-                       engine.max_model_len, min(engine.max_model_len, engine.kv_capacity_tokens),
-                       llm.model_config.vocab_size, admission, tenancy, metrics)
+                       engine.limits, admission, tenancy, metrics)
 
 
 class ServingMiddleware:

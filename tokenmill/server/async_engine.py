@@ -7,11 +7,13 @@
     add(...)   ──► commands (lock) ──notify──►    wake; apply adds / aborts
     abort(id)  ──►                                expire deadlines
                                                   step() if anything is unfinished
-    queue.get() ◄── loop.call_soon_threadsafe ◄── one EngineUpdate per changed request
-                                                  snapshot for metrics; sleep on the
-                                                  condition when idle (no busy spin)
+    queue.get() ◄── loop.call_soon_threadsafe ◄── one EngineUpdate per RequestDelta
+                                                  engine.snapshot() for metrics; sleep on
+                                                  the condition when idle (no busy spin)
 
-Only the engine thread touches the LLMEngine. A request whose ``add_request`` raises gets
+Only the engine thread touches the LLMEngine, through its public API (``tokenmill.engine``):
+``add_request``, ``abort``, ``step`` (which hands out deltas: what each request gained) and
+``snapshot``. A request whose ``add_request`` raises gets
 an error update (the loop goes on); a failing ``step`` fails the requests it held (they are
 aborted, their blocks freed) and the loop goes on. An abort takes effect before the next
 step, so an aborted request's KV blocks are free within one step.
@@ -24,11 +26,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request import Request, SequenceStatus
+from tokenmill.engine import EngineSnapshot, LLMEngine, RequestDelta
 from tokenmill.errors import TokenmillError
 from tokenmill.sampling_params import SamplingParams
 
@@ -37,50 +37,28 @@ logger = logging.getLogger("tokenmill.server")
 
 @dataclass
 class EngineUpdate:
-    """A request's state after a step (or its error), as the handler sees it."""
+    """What the handler of one engine request hears: a step's delta, or the error that ended it."""
 
     request_id: str
-    output: RequestOutput | None
-    """Text held back where a stop string may still start while running; None on error before start."""
+    delta: RequestDelta | None
+    """What the request gained in a step; None for an error update."""
     finished: bool
-    arrival_time: float = 0.0
-    scheduled_time: float | None = None
-    """When the engine first scheduled it (end of its time in the engine's waiting queue)."""
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache."""
     error: str | None = None
     """Why it ended without finishing: 'deadline', 'invalid' (bad input), 'engine' or 'shutdown'."""
     message: str = ""
 
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine state after the latest loop iteration; counters are cumulative."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_used_blocks: int = 0
-    kv_usage: float = 0.0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    num_preemptions: int = 0
-
-
 @dataclass
 class _Tracked:
-    request: Request
     sink: Callable[[EngineUpdate], None]
     deadline: float
-    scheduled_time: float | None = None
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_snapshot: Callable[[EngineSnapshot], None] | None = None) -> None:
         self.engine = engine
         self.on_snapshot = on_snapshot
-        self.snapshot = EngineSnapshot()
+        self.snapshot = engine.snapshot()
         self._commands: list[Callable[[], None]] = []
         self._cond = threading.Condition()
         self._tracked: dict[str, _Tracked] = {}
@@ -142,8 +120,8 @@ class AsyncEngine:
 
     def _add(self, request_id, prompt_ids, params, priority, cache_salt, deadline, sink) -> None:
         try:
-            request = self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority,
-                                              cache_salt=cache_salt)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority,
+                                    cache_salt=cache_salt)
         except TokenmillError as exc:
             sink(EngineUpdate(request_id, None, True, error="invalid", message=str(exc)))
             return
@@ -151,7 +129,7 @@ class AsyncEngine:
             logger.exception("add_request failed for %s", request_id)
             sink(EngineUpdate(request_id, None, True, error="engine", message=f"{type(exc).__name__}: {exc}"))
             return
-        self._tracked[request_id] = _Tracked(request, sink, deadline)
+        self._tracked[request_id] = _Tracked(sink, deadline)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -169,46 +147,25 @@ class AsyncEngine:
     def _finish_with_error(self, request_id: str, error: str, message: str) -> None:
         tracked = self._tracked.pop(request_id)
         self.engine.abort(request_id)
-        tracked.sink(replace(self._update(tracked), finished=True, error=error, message=message))
+        tracked.sink(EngineUpdate(request_id, None, True, error=error, message=message))
 
     def _step(self) -> None:
-        start = time.monotonic()
         try:
-            outputs = self.engine.step()
+            deltas = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing the requests it held")
             self._fail_all("engine", f"the engine failed: {type(exc).__name__}: {exc}")
             return
-        for tracked in self._tracked.values():
-            if tracked.scheduled_time is None and tracked.request.sequences[0].status != SequenceStatus.WAITING:
-                tracked.scheduled_time = start
-        for out in outputs:
-            tracked = self._tracked.get(out.request_id)
+        for delta in deltas:
+            tracked = self._tracked.get(delta.request_id)
             if tracked is None:
                 continue
-            update = self._update(tracked)
-            if update.finished:
-                del self._tracked[out.request_id]
-            tracked.sink(update)
-
-    def _update(self, tracked: _Tracked) -> EngineUpdate:
-        request = tracked.request
-        finished = request.finished
-        output = LLMEngine.make_output(request, streaming=not finished)
-        for o in output.outputs:  # the engine keeps appending to these lists; hand over copies
-            o.logprobs = list(o.logprobs) if o.logprobs is not None else None
-        if output.prompt_logprobs is not None:
-            output.prompt_logprobs = list(output.prompt_logprobs)
-        return EngineUpdate(request.request_id, output, finished, request.arrival_time, tracked.scheduled_time,
-                            request.first_token_time, request.finish_time,
-                            max(request.sequences[0].num_cached_tokens, 0))
+            if delta.finished:
+                del self._tracked[delta.request_id]
+            tracked.sink(EngineUpdate(delta.request_id, delta, delta.finished))
 
     def _publish_snapshot(self) -> None:
-        engine = self.engine
-        prefix = engine.kv.prefix_cache_stats
-        self.snapshot = EngineSnapshot(len(engine.scheduler.running), engine.scheduler.num_waiting,
-                                       engine.num_used_blocks, engine.kv.usage, prefix.queries, prefix.hits,
-                                       engine.scheduler.num_preemptions)
+        self.snapshot = self.engine.snapshot()
         if self.on_snapshot is not None:
             try:
                 self.on_snapshot(self.snapshot)

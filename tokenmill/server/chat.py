@@ -66,37 +66,37 @@ def _num_top(body: ChatCompletionRequest) -> int | None:
 
 
 class ChatStream:
+    """SSE chunks from deltas: each carries a sample's new text and the logprobs of its new tokens
+    (tokens whose text is still held back wait for the chunk that shows it)."""
+
     def __init__(self, body: ChatCompletionRequest, tokens: TokenText, num_top: int | None, response_id: str,
                  created: int, model: str) -> None:
         self.body, self.tokens, self.num_top = body, tokens, num_top
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        self.sent: dict[int, tuple[int, int]] = {}  # sample index -> (chars, tokens) sent
-        self.closed: set[int] = set()
+        self.started: set[int] = set()
+        self.pending: dict[int, list] = {}  # sample index -> logprobs of tokens not shown yet
 
     def events(self, update: EngineUpdate) -> list[str]:
         events = []
-        for out in update.output.outputs:
-            if out.index in self.closed:
+        for out in update.delta.samples:
+            pending = self.pending.setdefault(out.index, [])
+            pending.extend(out.logprobs or [])
+            if not out.text and not out.finished:
                 continue
-            chars, ntok = self.sent.get(out.index, (0, 0))
-            delta = out.text[chars:]
-            if not delta and not out.finished:
-                continue
-            first = out.index not in self.sent
-            message = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+            first = out.index not in self.started
+            message = {"role": "assistant", "content": out.text} if first else (
+                {"content": out.text} if out.text else {})
             logprobs = None
             if self.num_top is not None:
-                entries = (out.logprobs or [])[ntok:len(out.token_ids)]
-                logprobs = chat_logprobs(self.tokens, entries, self.num_top).model_dump()
+                logprobs = chat_logprobs(self.tokens, pending, self.num_top).model_dump()
+            pending.clear()
+            self.started.add(out.index)
             choice = {"index": out.index, "delta": message, "logprobs": logprobs, "finish_reason": out.finish_reason}
             chunk = {**self.head, "choices": [choice]}
             if self.include_usage:
                 chunk["usage"] = None
             events.append(sse(chunk))
-            self.sent[out.index] = (len(out.text), len(out.token_ids))
-            if out.finished:
-                self.closed.add(out.index)
         return events
 
     def usage_event(self, gen: Generation) -> str:
@@ -124,11 +124,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         return await streaming_response(gen, stream, response_id)
     if not await run_to_end(gen):
         return Response(status_code=499)
-    update = gen.latest[gen.request_ids[0]]
+    request_id = gen.request_ids[0]
     choices = [ChatChoice(index=out.index, message=AssistantMessage(content=out.text),
                           logprobs=chat_logprobs(tokens, out.logprobs or [], num_top) if num_top is not None else None,
                           finish_reason=out.finish_reason)
-               for out in update.output.outputs]
+               for out in gen.output(request_id).outputs]
     response = ChatCompletionResponse(id=response_id, created=created, model=state.model_name, choices=choices,
                                       usage=usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
-    return JSONResponse(response.model_dump(), headers=engine_headers(update, response_id))
+    return JSONResponse(response.model_dump(), headers=engine_headers(gen.latest.get(request_id), response_id))

@@ -47,44 +47,46 @@ async def _prompts(state: ServerState, prompt) -> tuple[list[str | None], list[l
 
 
 class CompletionStream:
+    """SSE chunks from deltas: each chunk carries a sample's new text and the logprobs of its new
+    tokens (tokens whose text is still held back wait for the chunk that shows it)."""
+
     def __init__(self, gen: Generation, body: CompletionRequest, tokens: TokenText, echo_texts: list[str],
                  response_id: str, created: int, model: str) -> None:
         self.gen, self.body, self.tokens, self.echo_texts = gen, body, tokens, echo_texts
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
         self.index_of = {rid: i for i, rid in enumerate(gen.request_ids)}
-        self.sent: dict[tuple[str, int], tuple[int, int]] = {}  # (request, sample) -> (chars, tokens) sent
-        self.closed: set[tuple[str, int]] = set()
+        self.started: set[tuple[str, int]] = set()
+        self.pending: dict[tuple[str, int], list] = {}  # logprobs of tokens not shown yet
 
     def events(self, update: EngineUpdate) -> list[str]:
         events = []
         prompt_index = self.index_of[update.request_id]
-        for out in update.output.outputs:
+        for out in update.delta.samples:
             key = (update.request_id, out.index)
-            if key in self.closed:
+            pending = self.pending.setdefault(key, [])
+            pending.extend(out.logprobs or [])
+            if not out.text and not out.finished:
                 continue
-            chars, ntok = self.sent.get(key, (0, 0))
-            delta = out.text[chars:]
-            if not delta and not out.finished:
-                continue
-            first = key not in self.sent
+            text = out.text
+            first = key not in self.started
             if first and self.body.echo:
-                delta = self.echo_texts[prompt_index] + delta
+                text = self.echo_texts[prompt_index] + text
             logprobs = None
             if self.body.logprobs is not None:
-                entries = items((out.logprobs or [])[ntok:len(out.token_ids)])
+                entries = items(pending)
                 if first and self.body.echo:
-                    entries = echo_items(self.gen.prompts[prompt_index], update.output.prompt_logprobs) + entries
+                    prompt_logprobs = self.gen.output(update.request_id).prompt_logprobs
+                    entries = echo_items(self.gen.prompts[prompt_index], prompt_logprobs) + entries
                 logprobs = completion_logprobs(self.tokens, entries).model_dump()
-            choice = {"index": prompt_index * self.body.n + out.index, "text": delta, "logprobs": logprobs,
+            pending.clear()
+            self.started.add(key)
+            choice = {"index": prompt_index * self.body.n + out.index, "text": text, "logprobs": logprobs,
                       "finish_reason": out.finish_reason}
             chunk = {**self.head, "choices": [choice]}
             if self.include_usage:
                 chunk["usage"] = None
             events.append(sse(chunk))
-            self.sent[key] = (len(out.text), len(out.token_ids))
-            if out.finished:
-                self.closed.add(key)
         return events
 
     def usage_event(self, gen: Generation) -> str:
@@ -117,17 +119,16 @@ async def create_completion(body: CompletionRequest, request: Request,
         return Response(status_code=499)
     choices = []
     for i, (request_id, ids) in enumerate(zip(gen.request_ids, prompts)):
-        update = gen.latest[request_id]
-        for out in update.output.outputs:
+        output = gen.output(request_id)
+        for out in output.outputs:
             text = (echo_texts[i] if body.echo else "") + out.text
             logprobs = None
             if body.logprobs is not None:
-                entries = echo_items(ids, update.output.prompt_logprobs) if body.echo else []
+                entries = echo_items(ids, output.prompt_logprobs) if body.echo else []
                 logprobs = completion_logprobs(tokens, entries + items(out.logprobs))
             choices.append(CompletionChoice(index=i * body.n + out.index, text=text, logprobs=logprobs,
                                             finish_reason=out.finish_reason))
     response = CompletionResponse(id=response_id, created=created, model=state.model_name, choices=choices,
                                   usage=usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
-    first = gen.latest[gen.request_ids[0]]
-    return JSONResponse(response.model_dump(), headers=engine_headers(first, response_id))
+    return JSONResponse(response.model_dump(), headers=engine_headers(gen.latest.get(gen.request_ids[0]), response_id))
 

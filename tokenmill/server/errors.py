@@ -38,7 +38,7 @@ class APIError(Exception):
     @classmethod
     def from_tokenmill(cls, exc: TokenmillError, param: str | None = None) -> APIError:
         code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
-        return cls(400, str(exc), param=param or param_from_message(str(exc)), code=code)
+        return cls(400, str(exc), param=param or exc.param or param_from_message(str(exc)), code=code)
 
 
 def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None,

@@ -4,7 +4,8 @@
 
     Generation.start()   tenant limits ─► admission (queue, priority, deadline) ─► engine.add per prompt
                          + a task that watches for the client going away
-    next_update()        the next EngineUpdate of any of its engine requests; errors become APIError
+    next_update()        the next EngineUpdate (a RequestDelta) of any of its engine requests, folded
+                         into that request's cumulative output; errors become APIError
     close()              abort what is unfinished, give back the admission slots, record usage
                          and metrics; synchronous and idempotent, so it is safe in any finally
 
@@ -24,7 +25,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from tokenmill.errors import InvalidParameterError
+from tokenmill.engine import OutputAccumulator, RequestDelta, RequestOutput
+from tokenmill.errors import InvalidParameterError, TokenmillError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import Rejected, Ticket
 from tokenmill.server.async_engine import EngineUpdate
@@ -33,8 +35,6 @@ from tokenmill.server.protocol import PromptTokensDetails, SamplingFields, Usage
 from tokenmill.server.state import ServerState
 from tokenmill.server.tenancy import TenantConfig
 
-GREEDY_BELOW = 1e-5
-"""Temperatures below this sample greedily (as vLLM), so logits / temperature never overflow."""
 LARGE_TEXT = 20_000
 """Prompts longer than this many characters are tokenized off the event loop."""
 
@@ -79,23 +79,12 @@ async def tokenize(state: ServerState, text: str, add_special_tokens: bool = Tru
 
 
 def check_prompt(state: ServerState, ids: list[int], max_tokens: int | None, param: str = "prompt") -> int:
-    """Validate one prompt's token ids; return the max_tokens it may use (filled in when None)."""
-    if not ids:
-        raise APIError(400, "the prompt is empty", param=param)
-    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {state.vocab_size})", param=param)
-    room = state.max_seq_tokens - len(ids)
-    if room < 1:
-        raise APIError(400, f"this model's maximum context length is {state.max_seq_tokens} tokens, but the "
-                       f"prompt has {len(ids)} tokens; shorten it", param=param, code="context_length_exceeded")
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise APIError(400, f"this model's maximum context length is {state.max_seq_tokens} tokens; you asked "
-                       f"for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate)",
-                       param="max_tokens", code="context_length_exceeded")
-    return max_tokens
+    """Validate one prompt's token ids with the engine's own limits; return the max_tokens it may use
+    (filled in when None). The engine checks again when it adds the request: the same function."""
+    try:
+        return state.limits.check(ids, max_tokens, param)
+    except TokenmillError as exc:
+        raise APIError.from_tokenmill(exc) from None
 
 
 def check_unsupported(body: SamplingFields, **extra: Any) -> None:
@@ -111,9 +100,8 @@ def check_unsupported(body: SamplingFields, **extra: Any) -> None:
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
-    temperature = 1.0 if body.temperature is None else body.temperature
     fields = {
-        "n": body.n, "temperature": 0.0 if temperature < GREEDY_BELOW else temperature,
+        "n": body.n, "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p, "top_k": body.top_k or 0, "min_p": body.min_p or 0.0,
         "repetition_penalty": body.repetition_penalty or 1.0, "presence_penalty": body.presence_penalty or 0.0,
         "frequency_penalty": body.frequency_penalty or 0.0,
@@ -144,11 +132,17 @@ class Generation:
         self.prompts, self.params, self.priority = prompts, params, priority
         self.arrival = arrival
         self.deadline = deadline_of(state, http, arrival)
-        salt = tenant.name if state.config.isolate_tenant_prefix_cache else None
+        salt = tenant.name if state.config.isolate_tenant_cache else None
         self.cache_salt = f"{salt}:{cache_salt}" if salt and cache_salt else (salt or cache_salt)
         base = new_id("req")
         self.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
-        self.latest: dict[str, EngineUpdate] = {}
+        self.outputs = {rid: OutputAccumulator(rid, None, ids, params.n, params.logprobs is not None,
+                                               params.prompt_logprobs is not None)
+                        for rid, ids in zip(self.request_ids, prompts)}
+        """The cumulative output of each engine request, from the deltas received so far."""
+        self.latest: dict[str, RequestDelta] = {}
+        """Each engine request's latest delta (its timings)."""
+        self.errors: dict[str, str] = {}
         self.unfinished: set[str] = set()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ticket: Ticket | None = None
@@ -163,11 +157,15 @@ class Generation:
 
     @property
     def cached_tokens(self) -> int:
-        return sum(u.num_cached_tokens for u in self.latest.values())
+        return sum(d.num_cached_tokens for d in self.latest.values())
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(o.token_ids) for u in self.latest.values() if u.output for o in u.output.outputs)
+        return sum(len(o.token_ids) for acc in self.outputs.values() for o in acc.output.outputs)
+
+    def output(self, request_id: str) -> RequestOutput:
+        """Everything one engine request has produced so far."""
+        return self.outputs[request_id].output
 
     @property
     def done(self) -> bool:
@@ -224,22 +222,23 @@ class Generation:
         self._record(item)
         if item.error is not None:
             raise self._error_of(item)
-        if item.output is not None and any(o.finish_reason == "error" for o in item.output.outputs):
+        if item.delta is not None and any(o.finish_reason == "error" for o in item.delta.samples):
             raise APIError(503, "the KV cache cannot hold this request now", code="kv_cache_exhausted",
                            retry_after=self.state.config.retry_after)
         return item
 
     def _record(self, update: EngineUpdate) -> None:
-        now = time.monotonic()
-        previous = self.latest.get(update.request_id)
-        self.latest[update.request_id] = update
         if update.finished:
             self.unfinished.discard(update.request_id)
-        if update.output is None:
+        if update.error is not None:
+            self.errors[update.request_id] = update.error
+        delta = update.delta
+        if delta is None:
             return
-        new = len(update.output.outputs[0].token_ids) - (len(previous.output.outputs[0].token_ids)
-                                                         if previous and previous.output else 0)
-        if new > 0:
+        self.latest[update.request_id] = delta
+        self.outputs[update.request_id].add(delta)
+        if any(s.token_ids for s in delta.samples if s.index == 0):
+            now = time.monotonic()
             last = self._last_token_time.get(update.request_id)
             if last is not None:
                 self.state.metrics.observe_inter_token(now - last)
@@ -277,14 +276,15 @@ class Generation:
             state.tenancy.finish(self.tenant, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
         now = time.monotonic()
         for request_id, ids in zip(self.request_ids, self.prompts):
-            update = self.latest.get(request_id)
-            if update is None and request_id not in aborted:
+            delta = self.latest.get(request_id)
+            error = self.errors.get(request_id)
+            if delta is None and error is None and request_id not in aborted:
                 continue
-            outputs = update.output.outputs if update and update.output else []
-            reason = ("abort" if request_id in aborted else update.error) or (outputs[0].finish_reason or "abort")
-            state.metrics.observe_request(self.arrival, update.scheduled_time if update else None,
-                                          update.first_token_time if update else None,
-                                          update.finish_time if update and update.finish_time else now, len(ids),
+            outputs = self.output(request_id).outputs
+            reason = ("abort" if request_id in aborted else error) or (outputs[0].finish_reason or "abort")
+            state.metrics.observe_request(self.arrival, delta.scheduled_time if delta else None,
+                                          delta.first_token_time if delta else None,
+                                          delta.finish_time if delta and delta.finish_time else now, len(ids),
                                           sum(len(o.token_ids) for o in outputs), reason)
 
 
@@ -340,11 +340,11 @@ async def sse_stream(gen: Generation, formatter: StreamFormatter, first: list[st
         gen.close()
 
 
-def engine_headers(update: EngineUpdate | None, request_id: str) -> dict[str, str]:
+def engine_headers(delta: RequestDelta | None, request_id: str) -> dict[str, str]:
     """X-Engine-TTFT: the engine's own time to first token (arrival in the engine to first token)."""
     headers = {"X-Request-Id": request_id}
-    if update is not None and update.first_token_time is not None:
-        headers["X-Engine-TTFT"] = f"{update.first_token_time - update.arrival_time:.6f}"
+    if delta is not None and delta.first_token_time is not None:
+        headers["X-Engine-TTFT"] = f"{delta.first_token_time - delta.arrival_time:.6f}"
     return headers
 
 
@@ -359,7 +359,8 @@ async def streaming_response(gen: Generation, formatter: StreamFormatter, respon
         gen.close()
         raise
     return StreamingResponse(sse_stream(gen, formatter, first), media_type="text/event-stream",
-                             headers=engine_headers(update, response_id), background=BackgroundTask(gen.close))
+                             headers=engine_headers(update.delta if update else None, response_id),
+                             background=BackgroundTask(gen.close))
 
 
 async def run_to_end(gen: Generation) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.engine.outputs import TokenLogprobs
+from tokenmill.engine import TokenLogprobs
 from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.server.protocol import (
     ChatLogprobs,

@@ -19,7 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenmill.server.async_engine import EngineSnapshot
+from tokenmill.engine import EngineSnapshot
 from tokenmill.server.tenancy import Tenancy
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

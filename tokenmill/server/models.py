@@ -47,7 +47,7 @@ async def tokenize(body: TokenizePromptRequest | TokenizeChatRequest, request: R
 async def detokenize(body: DetokenizeRequest, request: Request, tenant: Tenant) -> DetokenizeResponse:
     state = get_state(request)
     state.check_model(body.model)
-    bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
+    bad = next((t for t in body.tokens if not 0 <= t < state.limits.vocab_size), None)
     if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {state.vocab_size})", param="tokens")
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {state.limits.vocab_size})", param="tokens")
     return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))

@@ -10,7 +10,7 @@ import time
 
 import uvicorn
 
-from tokenmill.engine.llm import LLM
+from tokenmill.llm import LLM
 from tokenmill.server.app import build_app, create_state
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.state import ServerState

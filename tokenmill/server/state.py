@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from tokenmill.engine import PromptLimits
 from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.server.admission import AdmissionController
 from tokenmill.server.async_engine import AsyncEngine
@@ -22,10 +23,8 @@ class ServerState:
     engine: AsyncEngine
     tokenizer: Tokenizer
     model_name: str
-    max_model_len: int
-    max_seq_tokens: int
-    """Most tokens (prompt plus output) one sequence can hold: the context window or the KV pool."""
-    vocab_size: int
+    limits: PromptLimits
+    """The engine's prompt limits (vocabulary, context window, KV pool), checked before admission."""
     admission: AdmissionController
     tenancy: Tenancy
     metrics: ServerMetrics
@@ -33,6 +32,10 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0
     """HTTP requests being served (streams included)."""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {

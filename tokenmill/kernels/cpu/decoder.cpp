@@ -21,16 +21,10 @@
 #include <optional>
 #include <vector>
 
-#include "simd.h"
+#include <pybind11/native_enum.h>
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor key_scale, torch::Tensor value_scale, torch::Tensor block_tables,
-                                     torch::Tensor key_start, torch::Tensor key_end, double scale, bool generic);
-torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, bool generic);
-torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size,
-                                 bool generic);
-torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
-void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows, torch::Tensor scales);
+#include "kernels.h"
+#include "simd.h"
 
 namespace {
 
@@ -206,25 +200,56 @@ torch::Tensor act_mul(torch::Tensor gate_up, bool gelu_tanh_act) {
   return out;
 }
 
-// One linear layer as the model holds it: dense (at::linear), or tokenmill's int8 / int4 / packed
-// bfloat16 kernels.
+// Which kernel multiplies by a linear layer's weight.
+enum class LinearKind {
+  Dense,       // at::linear; weight [N, K] in the model dtype
+  Bf16Packed,  // bf16_packed_linear; weight packed by bf16_pack from a bfloat16 [N, K]
+  Int8,        // int8_weight_linear; weight int8 [N, K], scales [N] in the model dtype
+  Int4,        // int4_weight_linear; weight and scales in int4_cpu_pack's layout, N a multiple of 16
+};
+
+// One linear layer as the model holds it, checked once when the stack is built.
+// Invariants: Int8 and Int4 have scales; Int4 has group_size > 0 and in_features a whole number
+// of groups (the input is zero-padded up to it), and its output is cut to out_features.
 struct Linear {
-  int64_t kind = 0;  // 0 dense, 1 int8 weight-only, 2 int4 weight-only, 3 bfloat16 packed
-  torch::Tensor weight, scales, bias;
-  int64_t group_size = 0, out_features = 0, padded_in = 0;
+  LinearKind kind = LinearKind::Dense;
+  torch::Tensor weight, scales, bias;  // scales, bias: undefined when absent
+  int64_t out_features = 0;
+  int64_t in_features = 0;  // columns the kernel takes: the layer's own, or Int4's padded to whole groups
+  int64_t group_size = 0;   // Int4 only
+
+  Linear() = default;
+  Linear(LinearKind kind_, torch::Tensor weight_, int64_t out_features_, int64_t in_features_,
+         std::optional<torch::Tensor> scales_, std::optional<torch::Tensor> bias_, int64_t group_size_)
+      : kind(kind_), weight(std::move(weight_)), scales(scales_ ? *scales_ : torch::Tensor()),
+        bias(bias_ ? *bias_ : torch::Tensor()), out_features(out_features_), in_features(in_features_),
+        group_size(group_size_) {
+    TORCH_CHECK(weight.defined() && out_features > 0 && in_features > 0,
+                "Linear: a weight, out_features and in_features are required");
+    TORCH_CHECK((kind != LinearKind::Int8 && kind != LinearKind::Int4) || scales.defined(),
+                "Linear: INT8 and INT4 weights need their scales");
+    TORCH_CHECK(kind != LinearKind::Int4 || (group_size > 0 && in_features % group_size == 0),
+                "Linear: INT4 needs group_size > 0 dividing in_features");
+  }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (kind == 0) return at::linear(x, weight, bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt);
-    if (kind == 3) return bf16_packed_linear(x, weight, out_features, bias.defined() ? bias : torch::Tensor());
-    torch::Tensor y;
-    if (kind == 1) {
-      y = int8_weight_linear(x, weight, scales, false);
-    } else {
-      const auto xp = x.size(1) == padded_in ? x : at::constant_pad_nd(x, {0, padded_in - x.size(1)});
-      y = int4_weight_linear(xp, weight, scales, group_size, false);
-      if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
+    switch (kind) {
+      case LinearKind::Dense:
+        return at::linear(x, weight, bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt);
+      case LinearKind::Bf16Packed:
+        return bf16_packed_linear(x, weight, out_features, bias.defined() ? bias : torch::Tensor());
+      case LinearKind::Int8: {
+        const auto y = int8_weight_linear(x, weight, scales, KernelPath::Fastest);
+        return bias.defined() ? y + bias : y;
+      }
+      case LinearKind::Int4: {
+        const auto xp = x.size(1) == in_features ? x : at::constant_pad_nd(x, {0, in_features - x.size(1)});
+        auto y = int4_weight_linear(xp, weight, scales, group_size, KernelPath::Fastest);
+        if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
+        return bias.defined() ? y + bias : y;
+      }
     }
-    return bias.defined() ? y + bias : y;
+    TORCH_CHECK(false, "Linear: unknown kind");
   }
 };
 
@@ -243,26 +268,18 @@ class DecodeStack {
  public:
   DecodeStack(double eps, bool cast_before_scale) : eps_(eps), cast_(cast_before_scale) {}
 
-  void add_layer(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qk_norms,
-                 std::vector<std::tuple<int64_t, torch::Tensor, torch::Tensor, std::optional<torch::Tensor>, int64_t,
-                                        int64_t, int64_t>>
-                     linears,
-                 int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool gelu_tanh, int64_t rope,
-                 int64_t plan, std::vector<torch::Tensor> cache) {
+  // rope: which of run()'s RoPE tables the layer uses; plan: which of its attention plans.
+  void add_layer(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qk_norms, Linear qkv, Linear o,
+                 Linear gate_up, Linear down, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
+                 bool gelu_tanh, int64_t rope, int64_t plan, std::vector<torch::Tensor> cache) {
     TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "norms: attn, ffn (and post_attn, post_ffn)");
     TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2, "qk_norms: none or q and k");
-    TORCH_CHECK(linears.size() == 4, "linears: qkv, o, gate_up, down");
     TORCH_CHECK(cache.size() == 2 || cache.size() == 4, "cache: keys, values (and their scales)");
     Layer l;
     l.attn_norm = norms[0], l.ffn_norm = norms[1];
     if (norms.size() == 4) l.post_attn_norm = norms[2], l.post_ffn_norm = norms[3];
     if (!qk_norms.empty()) l.q_norm = qk_norms[0], l.k_norm = qk_norms[1];
-    Linear* slots[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
-    for (int i = 0; i < 4; ++i) {
-      auto& [kind, w, s, b, gs, out_features, padded_in] = linears[i];
-      TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0 (dense), 1 (int8), 2 (int4) or 3 (packed bf16)");
-      *slots[i] = Linear{kind, w, s, b.has_value() ? *b : torch::Tensor(), gs, out_features, padded_in};
-    }
+    l.qkv = std::move(qkv), l.o = std::move(o), l.gate_up = std::move(gate_up), l.down = std::move(down);
     l.heads = heads, l.kv_heads = kv_heads, l.head_dim = head_dim, l.scale = scale, l.gelu_tanh = gelu_tanh;
     l.rope = rope, l.plan = plan;
     l.keys = cache[0], l.values = cache[1];
@@ -287,7 +304,7 @@ class DecodeStack {
       write_kv(l, slots, qkv[1], qkv[2]);
       auto attn = paged_decode_attention(qkv[0], l.keys, l.values, l.key_scales.defined() ? l.key_scales : empty_,
                                          l.value_scales.defined() ? l.value_scales : empty_, tables, start, end,
-                                         l.scale, false);
+                                         l.scale, KernelPath::Fastest);
       auto a = l.o(attn.view({B, l.heads * l.head_dim}));
       if (l.post_attn_norm.defined()) a = rms_norm(a, l.post_attn_norm, eps_, cast_);
       h = h + a;
@@ -321,8 +338,27 @@ void bind_decoder(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension (CPU)");
   m.def("qkv_rope", &qkv_rope, "split a fused QKV output into heads, QK-norm and RoPE (CPU)");
   m.def("act_mul", &act_mul, "act(gate) * up of a fused gate_up output (CPU)");
+  py::native_enum<LinearKind>(m, "LinearKind", "enum.Enum", "Which kernel multiplies by a linear layer's weight")
+      .value("DENSE", LinearKind::Dense, "at::linear")
+      .value("BF16_PACKED", LinearKind::Bf16Packed, "bf16_packed_linear over a bf16_pack'ed weight")
+      .value("INT8", LinearKind::Int8, "int8_weight_linear")
+      .value("INT4", LinearKind::Int4, "int4_weight_linear over an int4_cpu_pack'ed weight")
+      .finalize();
+  py::class_<Linear>(m, "Linear", "one linear layer of a DecodeStack")
+      .def(py::init<LinearKind, torch::Tensor, int64_t, int64_t, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>, int64_t>(),
+           py::kw_only(), py::arg("kind"), py::arg("weight"), py::arg("out_features"), py::arg("in_features"),
+           py::arg("scales") = py::none(), py::arg("bias") = py::none(), py::arg("group_size") = 0)
+      .def_property_readonly("kind", [](const Linear& l) { return l.kind; })
+      .def_property_readonly("out_features", [](const Linear& l) { return l.out_features; })
+      .def_property_readonly("in_features", [](const Linear& l) { return l.in_features; })
+      .def_property_readonly("group_size", [](const Linear& l) { return l.group_size; });
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<double, bool>())
-      .def("add_layer", &DecodeStack::add_layer)
-      .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());
+      .def(py::init<double, bool>(), py::arg("eps"), py::arg("cast_before_scale"))
+      .def("add_layer", &DecodeStack::add_layer, py::kw_only(), py::arg("norms"), py::arg("qk_norms"),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("scale"), py::arg("gelu_tanh"), py::arg("rope"), py::arg("plan"),
+           py::arg("cache"))
+      .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>(), py::arg("h"), py::arg("ropes"),
+           py::arg("plans"));
 }

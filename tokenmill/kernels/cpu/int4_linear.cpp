@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -211,7 +212,8 @@ torch::Tensor dispatch_x(const torch::Tensor& x, const torch::Tensor& packed, co
 bool int4_linear_fast() { return kFast; }
 
 torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size,
-                                 bool generic) {
+                                 KernelPath path) {
+  const bool generic = is_portable(path);
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "x must be float32 or bfloat16");

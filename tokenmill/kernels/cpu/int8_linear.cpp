@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -110,7 +111,8 @@ void run(const T* x, const float* xf, const int8_t* w, const T* scale, T* out, i
 
 }  // namespace
 
-torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, bool generic) {
+torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, KernelPath path) {
+  const bool generic = is_portable(path);
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && scale.dim() == 1, "x [M, K], weight [N, K], scale [N]");
   TORCH_CHECK(weight.scalar_type() == torch::kInt8, "weight must be int8");
   TORCH_CHECK(x.scalar_type() == scale.scalar_type() &&

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels.h"
+
 namespace {
 
 template <typename T, typename Q>

@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -434,7 +435,8 @@ bool supports_head_dim(int64_t D) { return D == 16 || D == 32 || D == 64 || D ==
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor key_scale, torch::Tensor value_scale, torch::Tensor block_tables,
-                                     torch::Tensor key_start, torch::Tensor key_end, double scale, bool generic) {
+                                     torch::Tensor key_start, torch::Tensor key_end, double scale, KernelPath path) {
+  const bool generic = is_portable(path);
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4, "q must be [B, H, D] and key_cache [blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "keys and values must share one dtype");

@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -439,7 +440,8 @@ void dispatch(const T* q, const T* kc, const T* vc, T* out, const Problem& p, bo
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                       torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor key_start,
-                                      torch::Tensor key_end, int64_t window, double scale, bool generic) {
+                                      torch::Tensor key_end, int64_t window, double scale, KernelPath path) {
+  const bool generic = is_portable(path);
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "q must be [T, H, D] and key_cache, value_cache [blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "inputs must be contiguous");
@@ -485,9 +487,3 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache, 
   }
   return out;
 }
-
-#ifdef TOKENMILL_PREFILL_STANDALONE
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_prefill_attention", &paged_prefill_attention, "paged prefill attention (CPU)");
-}
-#endif

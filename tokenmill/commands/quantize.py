@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.config import LoadConfig
+from tokenmill.options import add_option_group, option_fields
+
 METHODS = ("int8", "int4", "int4-gptq", "w8a8")
 
 
 def add_quantize_parser(sub) -> None:
     q = sub.add_parser("quantize", help="quantize a model and save it as a directory LLM() loads")
-    q.add_argument("model", metavar="MODEL", help="model name, GGUF file or HF directory")
+    q.add_argument("model", metavar="MODEL", help=option_fields(LoadConfig, only=("model",))[0].metadata["help"])
     q.add_argument("--method", required=True, choices=METHODS)
     q.add_argument("--group-size", type=int, default=64,
                    help="int4, int4-gptq: input columns per scale/zero (32, 64, 128, 256)")
@@ -35,8 +38,7 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--no-act-order", action="store_true",
                    help="int4-gptq: quantize columns left to right instead of by decreasing Hessian diagonal")
     q.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    q.add_argument("--dtype", default="bfloat16", help="dtype the quantized model computes in")
-    q.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_option_group(q, LoadConfig, exclude=("model",))  # --dtype: what the quantized model computes in
     q.add_argument("--no-lm-head", action="store_true", help="leave the LM head unquantized")
     _add_mixed_precision_args(q)
 
@@ -89,10 +91,16 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         loaded, config = _plan_and_quantize(args, config)
     else:
         config = _with_kept_layers(args, config)
-        loaded = quantize(args.model, config, dtype=args.dtype, device=args.device)
+        loaded = quantize(args.model, config, dtype=compute_dtype(args), device=args.device, cache_dir=args.cache_dir)
     out = save_quantized(loaded, args.out)
     print(f"wrote {out} ({config.method})")
     return 0
+
+
+def compute_dtype(args: argparse.Namespace) -> str:
+    """The dtype the quantized model computes in: --dtype, where auto means bfloat16 (the quantized
+    kernels' activations) on every device."""
+    return "bfloat16" if args.dtype == "auto" else args.dtype
 
 
 def _fraction(text: str) -> float:
@@ -134,11 +142,9 @@ def _plan_and_quantize(args: argparse.Namespace, config):
 
     import torch
 
-    from tokenmill.attention.paged import PagedAttentionBackend
     from tokenmill.device import resolve_device, resolve_dtype
     from tokenmill.errors import InvalidParameterError
-    from tokenmill.loading.model_loader import load_model
-    from tokenmill.loading.sources import resolve_model
+    from tokenmill.loader import load_model
     from tokenmill.paths import default_cache_dir
     from tokenmill.quantization import quantize
     from tokenmill.quantization.sensitivity import (
@@ -147,15 +153,15 @@ def _plan_and_quantize(args: argparse.Namespace, config):
     if args.ppl_budget is None and args.size_budget_mb is None:
         raise InvalidParameterError("--sensitivity needs a budget: --ppl-budget FRACTION or --size-budget-mb MB")
     device = resolve_device(args.device)
-    cache = default_cache_dir()
-    loaded = load_model(resolve_model(args.model, cache), PagedAttentionBackend(), torch.float32, device, cache_dir=cache)
+    cache = args.cache_dir or default_cache_dir()
+    loaded = load_model(args.model, torch.float32, device, cache_dir=cache)
     ids = sensitivity_ids(loaded.tokenizer, args.eval_tokens, text_file=args.eval_data, cache_dir=cache)
-    report = analyze_sensitivity(loaded.model, config, ids, resolve_dtype(args.dtype, device),
+    report = analyze_sensitivity(loaded.model, config, ids, resolve_dtype(compute_dtype(args), device),
                                  tokenizer=loaded.tokenizer, cache_dir=cache)
     max_bytes = None if args.size_budget_mb is None else int(args.size_budget_mb * 1e6)
     plan = plan_keep_layers(report, args.ppl_budget, max_bytes)
     print(format_table(report, plan))
     print(f"wrote {write_plan(args.plan_out or Path(args.out) / 'quantization_plan.json', report, plan)}")
     config = planned_config(report, plan)
-    quantize(loaded, config, dtype=args.dtype)
+    quantize(loaded, config, dtype=compute_dtype(args))
     return loaded, config

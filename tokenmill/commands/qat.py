@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.commands.quantize import compute_dtype
+from tokenmill.config import LoadConfig
+from tokenmill.options import add_option_group, option_fields
+
 
 def add_qat_parser(sub) -> None:
     q = sub.add_parser("qat", help="quantization-aware training: fine-tune through INT4 weights, then quantize")
-    q.add_argument("model", metavar="MODEL", help="model name, GGUF file or HF directory")
+    q.add_argument("model", metavar="MODEL", help=option_fields(LoadConfig, only=("model",))[0].metadata["help"])
     q.add_argument("--out", required=True, metavar="DIR", help="output directory")
     q.add_argument("--weight", choices=("int4", "int8"), default="int4", help="what the weights are quantized to")
     q.add_argument("--group-size", type=int, default=64, help="int4: input columns per scale/zero (32, 64, 128, 256)")
@@ -28,8 +32,7 @@ def add_qat_parser(sub) -> None:
     q.add_argument("--float32-matmuls", action="store_true",
                    help="train with float32 matmuls (default: bfloat16 autocast)")
     q.add_argument("--seed", type=int, default=0, help="seed of the training-sequence order")
-    q.add_argument("--dtype", default="bfloat16", help="dtype the quantized model computes in")
-    q.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_option_group(q, LoadConfig, exclude=("model",))  # --dtype: what the quantized model computes in
 
 
 def cmd_qat(args: argparse.Namespace) -> int:
@@ -41,7 +44,7 @@ def cmd_qat(args: argparse.Namespace) -> int:
         "seq_len": args.seq_len, "batch_size": args.batch_size, "distill_weight": args.distill_weight,
         "lm_head_int8": not args.int4_lm_head, "quantize_lm_head": not args.no_lm_head,
         "mixed_precision": not args.float32_matmuls, "seed": args.seed})
-    loaded, log = qat(args.model, config, dtype=args.dtype, device=args.device)
+    loaded, log = qat(args.model, config, dtype=compute_dtype(args), device=args.device, cache_dir=args.cache_dir)
     out = save_quantized(loaded, args.out)
     tail = log.loss[-10:]
     print(f"wrote {out} (qat {config.quant_config().method}, {config.steps} steps, "

@@ -1,0 +1,118 @@
+"""The engine's configuration: scheduler, KV cache, and the engine itself.
+
+Each option is declared once here, with its default and help (see tokenmill/options.py), and
+``LLM(...)``, ``tokenmill serve``, ``tokenmill bench offline`` take exactly these, by these names.
+Values are checked on construction; an unknown key is refused with its name.
+
+``kv_cache_memory`` means the same everywhere: below 1 it is a fraction of the device's free
+memory, 1 or more is a number of bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from tokenmill.attention.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
+from tokenmill.config import Config
+from tokenmill.errors import InvalidParameterError
+from tokenmill.options import add_option_group, from_namespace, option, split_options
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(Config):
+    """How each step's token budget is filled (see scheduler.py)."""
+
+    title: ClassVar[str] = "scheduler"
+
+    max_num_seqs: int = option(64, "most sequences the engine runs at once")
+    max_num_batched_tokens: int = option(2048, "token budget of one step (decodes and prompt chunks together)")
+    max_prefill_chunk: int = option(0, "most prompt tokens one sequence may take in a step; 0 means the whole budget")
+    enable_chunked_prefill: bool = option(
+        True, "cut prompts that do not fit the step's remaining budget; off: a prompt waits until it fits whole")
+    policy: Literal["priority", "fcfs"] = option(
+        "priority", "order of service: (priority, arrival time), lower first; or arrival time alone (fcfs)")
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_prefill_chunk < 0:
+            raise InvalidParameterError(
+                f"max_num_seqs ({self.max_num_seqs}) and max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= 1 and max_prefill_chunk ({self.max_prefill_chunk}) >= 0")
+        if self.policy not in ("fcfs", "priority"):
+            raise InvalidParameterError(f"unknown scheduling policy {self.policy!r}; use priority or fcfs")
+
+
+@dataclass(frozen=True)
+class CacheConfig(Config):
+    """How big the paged KV pool is and how it is cut into blocks."""
+
+    title: ClassVar[str] = "KV cache"
+
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory: float | int = option(
+        0.1, "KV cache size: a fraction of free memory when below 1, else bytes")
+    enable_prefix_caching: bool = option(True, "reuse the cached KV blocks of identical prompt prefixes")
+    kv_cache_dtype: str = option(
+        "auto", "how keys and values are stored: auto (the model's dtype), int8 or fp8 (e4m3), each row with a "
+        "float16 scale: about 1.9x the tokens of bfloat16", choices=KV_CACHE_DTYPES)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise InvalidParameterError(f"block_size must be >= 1, got {self.block_size}")
+        if isinstance(self.kv_cache_memory, bool) or not self.kv_cache_memory > 0:
+            raise InvalidParameterError(
+                f"kv_cache_memory must be > 0 (a fraction below 1, or bytes), got {self.kv_cache_memory}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+
+    def budget_bytes(self, device: torch.device) -> int:
+        """The pool's byte budget: kv_cache_memory bytes, or that fraction of free memory when below 1."""
+        if self.kv_cache_memory >= 1:
+            return int(self.kv_cache_memory)
+        return int(self.kv_cache_memory * free_memory(device))
+
+
+@dataclass(frozen=True)
+class EngineConfig(Config):
+    """Everything LLMEngine takes besides the model."""
+
+    title: ClassVar[str] = "engine"
+
+    max_model_len: int | None = option(None, "context window in tokens (default: the model's own)")
+    seed: int | None = option(None, "seed of the random draws of requests that bring no seed of their own")
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidParameterError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """From flat options (``max_num_seqs=8, kv_cache_memory=2**30, ...``); unknown names are refused."""
+        own, scheduler, cache = split_options(options, *ENGINE_OPTIONS)
+        return cls(**own, scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(**cache))
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> EngineConfig:
+        return from_namespace(cls, args, scheduler=from_namespace(SchedulerConfig, args),
+                              cache=from_namespace(CacheConfig, args))
+
+
+ENGINE_OPTIONS = (EngineConfig, SchedulerConfig, CacheConfig)
+"""The classes whose fields are the engine's flat options, in the order entry points list them."""
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (EngineConfig, SchedulerConfig, CacheConfig), one argument group each."""
+    for cls in ENGINE_OPTIONS:
+        add_option_group(parser, cls)
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,45 @@
+"""What the engine reports about itself: per-step statistics and a snapshot of its state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepStats:
+    """What one step did, for metrics and benchmarks."""
+
+    num_running: int
+    """Sequences holding KV after the step."""
+    num_waiting: int
+    num_scheduled: int
+    num_batched_tokens: int
+    num_sampled: int
+    kv_used_blocks: int
+    """Blocks held by sequences, all KV groups together."""
+    kv_tokens: int
+    """Tokens whose KV the running sequences hold (so kv_used_blocks * block_size - kv_tokens slots are idle)."""
+    kv_usage: float
+    prefix_hit_tokens: int
+    num_preempted: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state between steps (``LLMEngine.snapshot()``); counters are cumulative."""
+
+    num_running: int = 0
+    """Sequences holding KV."""
+    num_waiting: int = 0
+    """Sequences waiting for their first (or, after a preemption, next) slot."""
+    num_used_blocks: int = 0
+    """KV blocks held by sequences, all groups together."""
+    kv_usage: float = 0.0
+    """Fraction of the KV pool in use."""
+    prefix_queries: int = 0
+    """Prompt blocks looked up in the prefix cache."""
+    prefix_hits: int = 0
+    """Of those, blocks found."""
+    num_preemptions: int = 0
+    """Sequences preempted so far."""

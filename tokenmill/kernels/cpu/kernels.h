@@ -1,0 +1,48 @@
+// The entry points of tokenmill's CPU kernel files, as bindings.cpp exports them to Python and
+// decoder.cpp's DecodeStack calls them. Each kernel file includes this header, so a signature that
+// drifts from its declaration fails to compile instead of failing to link.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+// Which implementation an entry point runs. Both compute the same function; only the summation
+// order (float rounding) differs. Portable exists so that tests can check the vectorized path
+// against it on a machine that has both; the engine always asks for Fastest.
+enum class KernelPath {
+  Fastest,   // the vectorized path this build has (AVX-512 / AVX-512 BF16), else the portable one
+  Portable,  // plain C++ loops, whatever the build
+};
+
+inline bool is_portable(KernelPath path) { return path == KernelPath::Portable; }
+
+// paged_attention.cpp
+bool supports_head_dim(int64_t D);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor key_scale, torch::Tensor value_scale, torch::Tensor block_tables,
+                                     torch::Tensor key_start, torch::Tensor key_end, double scale, KernelPath path);
+
+// prefill_attention.cpp
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor key_start,
+                                      torch::Tensor key_end, int64_t window, double scale, KernelPath path);
+
+// int8_linear.cpp
+torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, KernelPath path);
+
+// int4_linear.cpp
+bool int4_linear_fast();
+torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size,
+                                 KernelPath path);
+
+// bf16_linear.cpp
+bool bf16_linear_fast();
+torch::Tensor bf16_pack(torch::Tensor weight);
+torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
+
+// kv_write.cpp
+void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows, torch::Tensor scales);
+
+// decoder.cpp: rms_norm, qkv_rope, act_mul, LinearKind, Linear and DecodeStack
+void bind_decoder(pybind11::module& m);

@@ -1,0 +1,65 @@
+"""A linear layer as tokenmill's one-call CPU decode stack (``DecodeStack``, kernels/cpu/decoder.cpp)
+multiplies by it: which kernel, over which tensors.
+
+Layers describe themselves with a :class:`CpuLinearSpec` (``cpu_kernel_spec()`` of the quantized
+linears; the dense ones in ``tokenmill.models.fused_decode``), so the stack's builder never reads
+a layer's private fields. :meth:`CpuLinearSpec.native` converts it, at the boundary, into the C++
+``Linear`` the stack holds, with the kind as the C++ enum member of the same name.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+
+class LinearKind(enum.Enum):
+    """Which kernel multiplies; the C++ ``LinearKind`` has the same member names."""
+
+    DENSE = enum.auto()
+    """``at::linear``: weight [N, K] in the model dtype."""
+    BF16_PACKED = enum.auto()
+    """``bf16_packed_linear``: weight packed by ``bf16_pack`` from a bfloat16 [N, K]."""
+    INT8 = enum.auto()
+    """``int8_weight_linear``: weight int8 [N, K], scales [N] in the model dtype."""
+    INT4 = enum.auto()
+    """``int4_weight_linear``: weight and scales in ``int4_cpu_pack``'s layout (N rounded up to 16)."""
+
+
+@dataclass(frozen=True, eq=False)
+class CpuLinearSpec:
+    """One linear layer for the CPU kernels: y = x W^T (+ bias), x [M, in_features] -> [M, out_features].
+
+    Invariants: INT8 and INT4 have ``scales``; INT4 has ``group_size > 0`` dividing
+    ``in_features``. The tensors are the layer's own (no copies): a spec is valid while the layer
+    is unchanged."""
+
+    kind: LinearKind
+    weight: torch.Tensor
+    """In the layout ``kind`` names."""
+    out_features: int
+    """The layer's output columns (INT4: the kernel's padded rows are cut to these)."""
+    in_features: int
+    """Input columns the kernel takes: the layer's, or for INT4 rounded up to whole groups (the
+    input is zero-padded up to them)."""
+    scales: torch.Tensor | None = None
+    """INT8: [N]; INT4: scales and zeros in ``int4_cpu_pack``'s layout; else None."""
+    bias: torch.Tensor | None = None
+    group_size: int = 0
+    """INT4: input columns per (scale, zero); else 0."""
+
+    def __post_init__(self) -> None:
+        if self.kind in (LinearKind.INT8, LinearKind.INT4) and self.scales is None:
+            raise ValueError(f"{self.kind.name} needs its scales")
+        if self.kind is LinearKind.INT4 and (self.group_size <= 0 or self.in_features % self.group_size):
+            raise ValueError(f"INT4 needs group_size > 0 dividing in_features, got {self.group_size}, "
+                             f"{self.in_features}")
+
+    def native(self, ops: ModuleType):
+        """This spec as the compiled module ``ops``' ``Linear``, for ``DecodeStack.add_layer``."""
+        return ops.Linear(kind=ops.LinearKind[self.kind.name], weight=self.weight, out_features=self.out_features,
+                          in_features=self.in_features, scales=self.scales, bias=self.bias,
+                          group_size=self.group_size)

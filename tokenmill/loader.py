@@ -1,0 +1,43 @@
+"""One call from a user's model argument to a ready model: ``load_model(model, dtype, device)``.
+
+    model argument   name, GGUF file, HF directory, hub repo id (loading/sources.py), or a
+                     ModelSource already resolved
+    device, dtype    "auto" and names resolved as everywhere (tokenmill/device.py)
+    dispatch         a directory written by ``tokenmill quantize`` (``quantization_config`` in its
+                     config.json) -> tokenmill.quantization.checkpoint.load_quantized; anything
+                     else -> tokenmill.models.builder.load_float_model
+
+This is the facade layer: it sits above the quantization package, which is what lets it load
+both kinds of checkpoint while models/ and loading/ know nothing of quantization.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tokenmill.device import resolve_device, resolve_dtype
+from tokenmill.loading.sources import ModelSource, resolve_model
+from tokenmill.loading.tokenizer import Tokenizer
+from tokenmill.models.builder import LoadedModel, load_float_model
+from tokenmill.paths import default_cache_dir
+from tokenmill.quantization.checkpoint import load_quantized
+from tokenmill.quantization.config import quantization_config_of
+
+
+def load_model(model: str | os.PathLike | ModelSource | None = None, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "auto", cache_dir: str | os.PathLike | None = None) -> LoadedModel:
+    """Load ``model`` (default: the default model) in ``dtype`` on ``device``.
+
+    ``dtype`` "auto": float32 on CPU, bfloat16 on CUDA. ``cache_dir``: where named models, hub
+    snapshots and GGUF tokenizers are cached (default ``~/.cache/tokenmill``)."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    resolved_device = resolve_device(device)
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    source = model if isinstance(model, ModelSource) else resolve_model(model, cache)
+    if source.format == "hf" and quantization_config_of(source.path) is not None:
+        quantized, config = load_quantized(source.path, resolved_dtype, resolved_device)
+        return LoadedModel(quantized, config, Tokenizer.from_hf_dir(source.path), source)
+    return load_float_model(source, resolved_dtype, resolved_device, cache_dir=cache)

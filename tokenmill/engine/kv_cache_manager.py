@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from tokenmill.engine.block_pool import Block, BlockPool, hash_block
+from tokenmill.engine.config import CacheConfig
 
 
 @dataclass
@@ -93,7 +94,8 @@ class KVCacheManager:
                     null   null
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                  sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")

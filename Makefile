@@ -12,6 +12,8 @@ $(PY):
 
 install: $(PY)
 	$(PY) -m pip install -e '.[test,bench]'
+	# build the C++ CPU kernels now, not on the first request; a build error fails the install
+	$(PY) -m tokenmill.kernels
 
 test: install
 	$(PY) -m pytest -q

@@ -101,13 +101,14 @@ def test_each_default_is_the_dataclass_default() -> None:
 def test_parsed_flags_build_the_configs() -> None:
     args = build_parser().parse_args(["serve", "--max-num-seqs", "8", "--no-enable-chunked-prefill",
                                       "--kv-cache-memory", "2147483648", "--no-enable-prefix-caching",
-                                      "--policy", "fcfs", "--port", "0", "--isolate-tenant-cache"])
+                                      "--policy", "fcfs", "--port", "0", "--api-keys", "keys.json",
+                                      "--retry-after", "3"])
     config = EngineConfig.from_namespace(args)
     assert config.scheduler == SchedulerConfig(max_num_seqs=8, enable_chunked_prefill=False, policy="fcfs")
     assert config.cache == CacheConfig(kv_cache_memory=2**31, enable_prefix_caching=False)
     from tokenmill.options import from_namespace
 
-    assert from_namespace(ServerConfig, args) == ServerConfig(port=0, isolate_tenant_cache=True)
+    assert from_namespace(ServerConfig, args) == ServerConfig(port=0, api_keys="keys.json", retry_after=3)
 
 
 def test_kv_cache_memory_below_one_is_a_fraction_and_one_or_more_is_bytes() -> None:

@@ -68,11 +68,9 @@ def test_attention_over_quantized_pool_matches_reference(device, dtype, batch, w
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_portable_path_agrees_with_avx512_path(dtype, kind):
     """The kernel's portable loop (machines without AVX-512) computes the same attention."""
-    from tokenmill.kernels import dispatch
+    from tests.kernel_utils import require_kernels
 
-    kernels = dispatch.cpu_ops()
-    if kernels is None:
-        pytest.skip("CPU kernels unavailable")
+    kernels = require_kernels()
     g = torch.Generator().manual_seed(3)
     blocks, bs, kv_heads, head_dim = 40, 16, 2, 64
     k = torch.randn(blocks, bs, kv_heads, head_dim, generator=g)
@@ -175,11 +173,9 @@ def test_smollm2_perplexity_with_int8_kv_cache_within_1_percent(smollm2_gguf):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_write_stores_exactly_what_quantize_rows_gives(kind, dtype):
     """The C++ write (used on CPU when built) and the torch rounding (everywhere else) agree bit for bit."""
-    from tokenmill.kernels import dispatch
+    from tests.kernel_utils import require_kernels
 
-    kernels = dispatch.cpu_ops()
-    if kernels is None:
-        pytest.skip("CPU kernels unavailable")
+    kernels = require_kernels()
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(37, 3, 64, generator=g) * torch.logspace(-6, 3, 37)[:, None, None]).to(dtype)
     x[4] = 0.0

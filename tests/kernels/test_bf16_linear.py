@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill.kernels import dispatch
+from tests.kernel_utils import require_kernels
 from tokenmill.models.layers import linear
 
-kernels = dispatch.cpu_ops()
-pytestmark = pytest.mark.skipif(kernels is None or not kernels.bf16_linear_fast(),
-                                reason="CPU kernels unavailable or no AVX-512 BF16 here")
+kernels = require_kernels()
+pytestmark = pytest.mark.skipif(not kernels.bf16_linear_fast(),
+                                reason="no AVX-512 BF16 on this CPU: the bf16 GEMM has no fast path here")
 
 
 def _case(m: int, n: int, k: int, seed: int = 0):

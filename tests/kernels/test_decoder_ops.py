@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 
-from tokenmill.kernels import dispatch
+from tests.kernel_utils import require_kernels
 
-ops = dispatch.cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable")
+ops = require_kernels()
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.kernels import dispatch
+from tests.kernel_utils import require_kernels
 from tokenmill.kernels.linear_spec import LinearKind
 from tokenmill.quantization import kernels as qk
 from tokenmill.quantization.linear import Int4Linear
 
-ops = dispatch.for_int4("cpu")
-pytestmark = pytest.mark.skipif(ops is None, reason="int4 CPU kernel unavailable (needs AVX-512 BF16)")
+ops = require_kernels()
+pytestmark = pytest.mark.skipif(not ops.int4_linear_fast(),
+                                reason="no AVX-512 BF16 on this CPU: the int4 kernel has no fast path here")
 
 
 def _linear(n: int, k: int, group_size: int, dtype: torch.dtype, seed: int) -> Int4Linear:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.kernels import dispatch
+from tests.kernel_utils import require_kernels
 
-kernels = dispatch.cpu_ops()
-pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels unavailable")
+kernels = require_kernels()
 
 
 @pytest.mark.parametrize("n,k", [(100, 48), (1536, 576), (37, 1536), (16, 16)])

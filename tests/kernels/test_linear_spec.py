@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_utils import kernels_or_none, off_reason
 from tokenmill.kernels import dispatch
 from tokenmill.kernels.linear_spec import CpuLinearSpec, LinearKind
 from tokenmill.quantization.linear import Int4Linear, Int8Linear
 
-ops = dispatch.cpu_ops()
-needs_kernels = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable")
+ops = kernels_or_none()
+needs_kernels = pytest.mark.skipif(ops is None, reason=off_reason() or "")
 
 
 def test_spec_invariants():

@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import dispatch
+from tests.kernel_utils import require_kernels
 
-ops = dispatch.cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="CPU kernels unavailable")
+ops = require_kernels()
 DTYPES = [torch.float32, torch.bfloat16]
 
 # (tokens already in cache, new tokens) per sequence: whole prompts, chunks after a prefix

@@ -11,13 +11,13 @@ import torch
 from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import layer_groups
-from tokenmill.kernels import dispatch
 from tokenmill.loading.checkpoint import open_hf
 from tokenmill.models.builder import build_model
 from tokenmill.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_model
+from tests.kernel_utils import require_kernels
 from tests.models.test_parity_tiny import CONFIGS, _hf_model
 
-pytestmark = pytest.mark.skipif(dispatch.cpu_ops() is None, reason="CPU kernels unavailable")
+ops = require_kernels()
 BLOCK = 4
 QUANT = {"dense": None, "int8": Int8WeightOnlyConfig(), "int4": Int4WeightOnlyConfig(group_size=32)}
 
@@ -69,7 +69,7 @@ def test_fused_decode_is_bit_identical(name, dtype, weights, kv, tmp_path):
     model = _model(name, dtype, weights, tmp_path)
     seqs = Sequences(model, kv)
     seqs.step(seqs.tokens)  # prefill: layer-by-layer
-    if not dispatch.cpu_ops().supports_head_dim(model.config.head_dim):
+    if not ops.supports_head_dim(model.config.head_dim):
         assert model.fused_decoder(seqs.cache) is None  # no paged-decode kernel for it: the layer path
         pytest.skip(f"the paged-decode kernel does not take head_dim {model.config.head_dim}")
     assert model.fused_decoder(seqs.cache) is not None, "the stack should apply to this model"

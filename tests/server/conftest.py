@@ -21,6 +21,7 @@ from tests.model_utils import save_byte_tokenizer
 from tokenmill import LLM
 from tokenmill.server.app import build_app, create_state
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.serve import uvicorn_config
 
 MODEL = "tiny-llama"
 
@@ -61,14 +62,23 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, log_level="warning", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    wait_for_ready = True
+    """Whether entering waits for /ready (the engine warmed up), not only for the socket."""
 
     def __enter__(self) -> "LiveServer":
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
             assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.01)
+        # the warm-up may compile the CPU kernels when nothing built them before (minutes)
+        deadline = time.monotonic() + 600
+        while self.wait_for_ready and httpx.get(self.url + "/ready", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline and self.thread.is_alive() and self.state.engine.alive, \
+                "the server did not become ready"
             time.sleep(0.01)
         return self
 

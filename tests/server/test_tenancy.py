@@ -1,5 +1,6 @@
 """API keys from a file (stored hashed), 401 without a valid key, per-key limits answered with 429,
-per-tenant usage in /metrics and /admin/usage, and per-tenant prefix-cache isolation."""
+per-tenant usage in /metrics and /admin/usage (admin keys), and per-tenant prefix-cache isolation
+(by default with keys). More attacks on these in test_hardening_tenancy.py."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ def post(server, key: str | None, body: dict, path: str = "/v1/completions") -> 
     return httpx.post(server.url + path, json={"model": MODEL, "max_tokens": 2, **body}, headers=headers, timeout=30)
 
 
+def metrics(server, key: str) -> dict[str, float]:
+    """/metrics samples as {'name{labels}': value}, read with ``key`` (it needs one when keys are set)."""
+    response = httpx.get(server.url + "/metrics", headers={"authorization": f"Bearer {key}"}, timeout=10)
+    assert response.status_code == 200, response.text
+    return dict((name, float(value)) for name, value in
+                (line.rsplit(" ", 1) for line in response.text.splitlines() if line and not line.startswith("#")))
+
+
 def test_keys_file_stores_hashes_and_rejects_bad_files(keys_file, tmp_path) -> None:
     assert "alice-key" not in keys_file.read_text()
     tenancy = Tenancy.load(keys_file)
@@ -47,11 +56,11 @@ def test_keys_file_stores_hashes_and_rejects_bad_files(keys_file, tmp_path) -> N
 def test_concurrency_limit(keys_file) -> None:
     tenancy = Tenancy.load(keys_file)
     carol = tenancy.authenticate("Bearer carol-key")
-    tenancy.start(carol, 5)
+    held = tenancy.start(carol, 5)
     with pytest.raises(Rejected) as busy:
         tenancy.start(carol, 5)
     assert busy.value.status == 429 and busy.value.reason == "tenant_concurrency"
-    tenancy.finish(carol, 5, 0, 3)
+    tenancy.finish(held, 5, 0, 3)
     tenancy.start(carol, 5)
     assert tenancy.usage["carol"].completion_tokens == 3
 
@@ -77,14 +86,14 @@ def test_auth_limits_usage_and_admin(tiny_llm, keys_file) -> None:
         usage = httpx.get(server.url + "/admin/usage", headers={"authorization": "Bearer ops-key"}).json()["tenants"]
         assert usage["alice"] == {"requests": 3, "prompt_tokens": 6, "cached_tokens": 0, "completion_tokens": 6}
         assert usage["bob"]["prompt_tokens"] == 30
-        m = server.metrics()
+        m = metrics(server, "ops-key")
         assert m['tokenmill:tenant_prompt_tokens_total{tenant="alice"}'] == 6
         assert m['tokenmill:tenant_completion_tokens_total{tenant="bob"}'] == 2
         assert m[f'tokenmill:request_rejected_total{{model_name="{MODEL}",reason="tenant_requests"}}'] == 2
 
 
 def test_prefix_cache_isolation_between_tenants(tiny_llm, keys_file) -> None:
-    with live_server(tiny_llm, api_keys=str(keys_file), isolate_tenant_cache=True) as server:
+    with live_server(tiny_llm, api_keys=str(keys_file)) as server:
         def cached(key: str) -> int:
             response = post(server, key, {"prompt": PREFIX})
             assert response.status_code == 200, response.text

@@ -127,7 +127,9 @@ class OpenAIClient:
         return False
 
     async def metrics_text(self) -> str:
-        """The server's Prometheus exposition (GET /metrics)."""
+        """The server's Prometheus exposition (GET /metrics), sent with ``Authorization: Bearer
+        --api-key`` like every request of the session: tokenmill's /metrics needs an admin or
+        metrics key when the server has keys."""
         async with self.session.get(self.config.root + "/metrics") as resp:
             resp.raise_for_status()
             return await resp.text()

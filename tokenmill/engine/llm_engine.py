@@ -123,6 +123,35 @@ class LLMEngine:
             self.scheduler.finish(seq)
         self._parked.pop(request_id, None)
 
+    WARM_UP_REQUEST_ID = "__warm_up__"
+
+    def warm_up(self) -> list[StepStats]:
+        """Run one tiny generation through the whole step (a 2-token prompt, 2 greedy tokens: a
+        prefill step, then a decode step), so that what is built or loaded on first use (the CPU
+        kernels, the decode stack, allocator pools, CUDA's kernels) is ready before the first real
+        request. Returns its steps' statistics.
+
+        Call it on an idle engine (RuntimeError otherwise: the other requests' deltas would be
+        lost). It leaves nothing behind: its steps are kept out of :attr:`stats`, its request is
+        gone and its KV blocks are free when it returns, even when a step raises (the error
+        propagates). It does count in the prefix cache's lookup counter (2 prompt tokens, no hit:
+        its cache salt is its own)."""
+        if self.has_unfinished_requests() or self.WARM_UP_REQUEST_ID in self.requests:
+            raise RuntimeError("warm_up() needs an idle engine: requests are unfinished")
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        prompt = [i % self.limits.vocab_size for i in range(2)]
+        saved, self.stats = self.stats, deque(maxlen=self.stats.maxlen)
+        try:
+            self.add_request(prompt, params, request_id=self.WARM_UP_REQUEST_ID, cache_salt=self.WARM_UP_REQUEST_ID)
+            for _ in range(64):  # a prefill step and a decode step; never loop forever
+                if not self.has_unfinished_requests():
+                    return list(self.stats)
+                self.step()
+            raise RuntimeError("warm_up(): the 2-token request did not finish in 64 steps")
+        finally:
+            self.abort(self.WARM_UP_REQUEST_ID)
+            self.stats = saved
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

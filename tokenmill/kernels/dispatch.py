@@ -4,13 +4,17 @@ The decision is whether tokenmill's compiled CPU kernels exist in this process:
 
     TOKENMILL_CPU_KERNELS=0 (or false, no)   off: nothing is built, the PyTorch path runs
     otherwise                                 built by :func:`tokenmill.kernels.cpu_ops.build`
-                                              (compiled on a machine's first use), or, when that
+                                              (loaded when ``python -m tokenmill.kernels`` built
+                                              them at install, else compiled now), or, when that
                                               fails, unavailable: the PyTorch path runs
 
 It is taken on the first call that needs it (never at import), under a lock, and logged on the
 ``tokenmill.kernels`` logger: INFO "CPU kernels: tokenmill C++ (built in DIR)" or "CPU kernels: off
 (TOKENMILL_CPU_KERNELS=0), PyTorch path"; WARNING "CPU kernels: unavailable: <reason>". It is
-never taken again: changing the variable later in the process has no effect.
+never taken again: changing the variable later in the process has no effect. The server takes it
+in its warm-up, before ``/ready`` turns 200, so no request waits for a compile. Tests do not ask
+here (a failed build would only turn them into skips): they call the builder through
+``tests/kernel_utils.py``, so that a build error fails them.
 
 Callers do not check devices, dtypes or the variable themselves: they ask one of the functions
 below, which add the conditions under which a kernel takes a given call and return the compiled

@@ -18,6 +18,7 @@ tokens; both are matched whole in the raw text. Special tokens are what ``decode
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -516,6 +517,18 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As :meth:`encode`, but other Python threads run while the backend works (its
+        ``encode_batch`` releases the GIL, ``encode`` holds it): for long texts, from a worker thread."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's spelling in characters (added tokens included), computed once. A token
+        covers at most that many characters of text (a byte-level token's spelling has one character
+        per byte), so a text of n characters has at least n / max_token_chars tokens."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

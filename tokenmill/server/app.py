@@ -2,7 +2,8 @@
 
 ::
 
-    HTTP ─► ServingMiddleware (draining: 503; body too large: 413; counts requests in flight)
+    HTTP ─► ServingMiddleware (draining: 503; API key: 401; body too large: 413, counted as it
+            arrives; counts requests in flight; hands the app the body it read)
          ─► routers: completions, chat, models (+tokenize), ops (health, ready, metrics, admin)
          ─► Generation (tenant limits, admission, AsyncEngine) ─► engine thread
 """
@@ -13,15 +14,16 @@ import json
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 
 from tokenmill.llm import LLM
 from tokenmill.server import chat, completions, models, ops
 from tokenmill.server.admission import AdmissionController
 from tokenmill.server.async_engine import AsyncEngine
 from tokenmill.server.config import ServerConfig
-from tokenmill.server.errors import install_error_handlers
+from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.state import ServerState
+from tokenmill.server.state import TENANT_SCOPE_KEY, ServerState, authenticate
 from tokenmill.server.tenancy import Tenancy
 
 EXEMPT_FROM_DRAIN = {"/health", "/ready", "/metrics"}
@@ -40,41 +42,105 @@ def create_state(llm: LLM, config: ServerConfig) -> ServerState:
 
 
 class ServingMiddleware:
-    """Plain ASGI (no buffering of streams): refuse work while draining, refuse oversized bodies,
-    and count requests in flight for the drain."""
+    """Plain ASGI (no buffering of responses): refuse work while draining, check the API key of
+    routes that need a tenant before any of the body is read, read the body counting its bytes
+    (413 as soon as it passes ``max_request_bytes``, chunked or not, the rest left unread), and
+    count requests in flight for the drain."""
 
-    def __init__(self, app, state: ServerState) -> None:
-        self.app, self.state = app, state
+    def __init__(self, app, state: ServerState, tenant_paths: frozenset[str] = frozenset()) -> None:
+        self.app, self.state, self.tenant_paths = app, state, tenant_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         state = self.state
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name, value)  # the first of repeated headers, as Starlette reads them
+        length = headers.get(b"content-length")
+        has_body = (length is not None and length != b"0") or b"transfer-encoding" in headers
         if state.draining and scope["path"] not in EXEMPT_FROM_DRAIN:
             state.metrics.reject("draining")
-            await _send_error(send, 503, "the server is shutting down; retry on another instance",
-                              "service_unavailable_error", "shutting_down", state.config.retry_after)
+            await _send_error(send, APIError(503, "the server is shutting down; retry on another instance",
+                                             code="shutting_down", retry_after=state.config.retry_after), has_body)
             return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > state.config.max_request_bytes):
-            await _send_error(send, 413, f"the request body is larger than {state.config.max_request_bytes} "
-                              "bytes", "invalid_request_error", "request_too_large")
+        if scope["path"] in self.tenant_paths:
+            try:
+                tenant = state.tenancy.authenticate(headers.get(b"authorization", b"").decode("latin-1") or None)
+            except APIError as exc:
+                await _send_error(send, exc, has_body)
+                return
+            scope["state"] = {**scope.get("state", {}), TENANT_SCOPE_KEY: tenant}
+        limit = state.config.max_request_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await _send_error(send, _too_large(limit), has_body)
             return
         state.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            body = await _read_body(receive, limit)
+            if body is _TOO_LARGE:
+                await _send_error(send, _too_large(limit), close=True)
+            elif body is not _GONE:
+                await self.app(scope, _replay(body, receive), send)
         finally:
             state.in_flight -= 1
 
 
-async def _send_error(send, status: int, message: str, type: str, code: str, retry_after: int | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+_TOO_LARGE, _GONE = object(), object()
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+async def _read_body(receive, limit: int):
+    """The request body, read whole; ``_TOO_LARGE`` as soon as it passes ``limit`` bytes (the
+    rest is never read), ``_GONE`` when the client disconnected first."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return _GONE
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return _TOO_LARGE
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that gives the body already read as one message, then the client's own
+    (disconnect) messages."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+    return replayed
+
+
+async def _send_error(send, error: APIError, close: bool = False) -> None:
+    """The error as a whole response; ``close``: end the connection after it (a body not read)."""
+    body = json.dumps({"error": {"message": error.message, "type": error.type, "param": error.param,
+                                 "code": error.code}}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    if error.retry_after is not None:
+        headers.append((b"retry-after", str(max(1, round(error.retry_after))).encode()))
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def tenant_paths(routers) -> frozenset[str]:
+    """Paths of the routes that depend on :func:`authenticate` (the ops routes aside: their access
+    is ops.py's business); ServingMiddleware checks their key before reading the body."""
+    def uses(dependant) -> bool:
+        return any(d.call is authenticate or uses(d) for d in dependant.dependencies)
+    return frozenset(route.path for router in routers for route in router.routes
+                     if isinstance(route, APIRoute) and uses(route.dependant)) - EXEMPT_FROM_DRAIN
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -86,8 +152,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tokenmill", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = state
-    for module in (completions, chat, models, ops):
-        app.include_router(module.router)
+    routers = [module.router for module in (completions, chat, models, ops)]
+    for router in routers:
+        app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(ServingMiddleware, state=state)
+    app.add_middleware(ServingMiddleware, state=state, tenant_paths=tenant_paths(routers))
     return app

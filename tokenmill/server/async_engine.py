@@ -17,6 +17,13 @@ Only the engine thread touches the LLMEngine, through its public API (``tokenmil
 an error update (the loop goes on); a failing ``step`` fails the requests it held (they are
 aborted, their blocks freed) and the loop goes on. An abort takes effect before the next
 step, so an aborted request's KV blocks are free within one step.
+
+Warm-up (:meth:`AsyncEngine.warm_up_first`, which the server's state asks for): before its first
+command the engine thread builds or loads the CPU kernels (``dispatch.cpu_ops()``, on a CPU
+engine) and runs ``LLMEngine.warm_up()``, one tiny generation, then reports itself warm. Until
+then the server answers ``/ready`` and generation requests with 503 ``warming_up``
+(:mod:`tokenmill.server.warmup`), so no request's deadline is spent waiting for a compile. A
+failed warm-up is logged and the loop serves anyway (requests then fail with their own errors).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine import EngineSnapshot, LLMEngine, RequestDelta
 from tokenmill.errors import TokenmillError
+from tokenmill.kernels import dispatch
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.server")
@@ -63,6 +71,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._tracked: dict[str, _Tracked] = {}
         self._stopping = False
+        self._on_warming: Callable[[bool], None] | None = None
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
 
     # ---- event-loop side ------------------------------------------------------------------------
@@ -74,6 +83,13 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
+
+    def warm_up_first(self, on_warming: Callable[[bool], None]) -> None:
+        """Warm up in the engine thread before taking any command (call before :meth:`start`):
+        ``on_warming(True)`` is called now, ``on_warming(False)`` from the engine thread once the
+        kernels are built or loaded and one tiny generation ran (or the warm-up failed: logged)."""
+        self._on_warming = on_warming
+        on_warming(True)
 
     @property
     def alive(self) -> bool:
@@ -99,6 +115,8 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._on_warming is not None:
+            self._warm_up()
         while True:
             with self._cond:
                 while not self._commands and not self.engine.has_unfinished_requests() and not self._stopping:
@@ -117,6 +135,23 @@ class AsyncEngine:
             elif self._tracked:  # cannot happen by the engine's contract; never leave a handler hanging
                 self._fail_all("engine", "the engine dropped the request")
             self._publish_snapshot()
+
+    def _warm_up(self) -> None:
+        start = time.perf_counter()
+        try:
+            kernels = "none on this device"
+            if self.engine.device.type == "cpu":
+                kernels = "tokenmill C++" if dispatch.cpu_ops() is not None else "PyTorch path (off or unavailable)"
+            ready = time.perf_counter()
+            steps = self.engine.warm_up()
+            logger.info("warming up: kernels %s (%.2f s), first step %.3f s, %d steps, warm in %.2f s", kernels,
+                        ready - start, steps[0].seconds if steps else 0.0, len(steps), time.perf_counter() - start)
+        except Exception:
+            logger.exception("warm-up failed after %.2f s; serving anyway", time.perf_counter() - start)
+        finally:
+            self._publish_snapshot()
+            on_warming, self._on_warming = self._on_warming, None
+            on_warming(False)
 
     def _add(self, request_id, prompt_ids, params, priority, cache_salt, deadline, sink) -> None:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated
 
@@ -12,6 +13,8 @@ from tokenmill.errors import InvalidParameterError
 from tokenmill.server.async_engine import EngineUpdate
 from tokenmill.server.errors import APIError
 from tokenmill.server.generation import (
+    LARGE_TEXT,
+    check_text_length,
     usage_event,
     engine_headers,
     run_to_end,
@@ -35,6 +38,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.state import ServerState, authenticate, get_state
 from tokenmill.server.tenancy import TenantConfig
+from tokenmill.server.warmup import check_warm
 
 router = APIRouter()
 
@@ -46,11 +50,17 @@ async def render_messages(state: ServerState, messages: list[ChatMessage], add_g
     for m in messages:
         content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
         plain.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    chars = sum(len(m["content"]) for m in plain)
+    check_text_length(state, chars, param="messages")  # the rendered text is longer still
     try:
-        text = state.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        if chars > LARGE_TEXT:
+            text = await asyncio.to_thread(state.tokenizer.apply_chat_template, plain,
+                                           add_generation_prompt=add_generation_prompt)
+        else:
+            text = state.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
     except InvalidParameterError as exc:
         raise APIError(400, str(exc), param="messages") from exc
-    return await tokenize(state, text, add_special_tokens=False)
+    return await tokenize(state, text, add_special_tokens=False, param="messages")
 
 
 def _num_top(body: ChatCompletionRequest) -> int | None:
@@ -108,6 +118,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  tenant: Annotated[TenantConfig, Depends(authenticate)]) -> Response:
     arrival = time.monotonic()
     state = get_state(request)
+    check_warm(state)
     state.check_model(body.model)
     check_unsupported(body)
     num_top = _num_top(body)

@@ -20,7 +20,7 @@ from tokenmill.server.generation import (
     new_id,
     sampling_params,
     sse,
-    tokenize,
+    tokenize_all,
     usage_of,
 )
 from tokenmill.server.logprobs import TokenText, completion_logprobs, echo_items, items
@@ -31,6 +31,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.state import ServerState, authenticate, get_state
 from tokenmill.server.tenancy import TenantConfig
+from tokenmill.server.warmup import check_warm
 
 router = APIRouter()
 
@@ -39,11 +40,9 @@ async def _prompts(state: ServerState, prompt) -> tuple[list[str | None], list[l
     """(text or None, token ids) per prompt."""
     if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
         prompt = [prompt]
-    texts, ids = [], []
-    for p in prompt:
-        texts.append(p if isinstance(p, str) else None)
-        ids.append(await tokenize(state, p) if isinstance(p, str) else list(p))
-    return texts, ids
+    texts = [p if isinstance(p, str) else None for p in prompt]
+    encoded = iter(await tokenize_all(state, [t for t in texts if t is not None]))
+    return texts, [next(encoded) if t is not None else list(p) for t, p in zip(texts, prompt)]
 
 
 class CompletionStream:
@@ -98,6 +97,7 @@ async def create_completion(body: CompletionRequest, request: Request,
                             tenant: Annotated[TenantConfig, Depends(authenticate)]) -> Response:
     arrival = time.monotonic()
     state = get_state(request)
+    check_warm(state)
     state.check_model(body.model)
     check_unsupported(body, suffix=(body.suffix, not body.suffix),
                       best_of=(body.best_of, body.best_of in (None, body.n)))

@@ -22,8 +22,6 @@ class ServerConfig(Config):
     api_keys: str | None = option(
         None, "JSON file of tenants with sha256-hashed keys and limits (see tenancy.py); enables authentication",
         metavar="FILE")
-    isolate_tenant_cache: bool = option(
-        False, "salt the prefix cache with the tenant name, so tenants never share cached blocks")
     max_queued_requests: int = option(256, "requests waiting for an engine slot before new ones get 429")
     max_queued_tokens: int = option(262_144, "prompt tokens waiting for an engine slot before new requests get 429")
     request_timeout: float = option(
@@ -32,14 +30,19 @@ class ServerConfig(Config):
     retry_after: int = option(1, "seconds suggested in Retry-After when the queue is full, shedding or draining")
     drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests before the server stops anyway")
     max_request_bytes: int = option(8 * 2**20, "largest request body accepted; larger ones get 413")
+    header_timeout: float = option(
+        10.0, "seconds a connection may take to send a request's headers (from connecting, or from a "
+        "keep-alive request's first byte) before it is closed")
+    max_connections_per_client: int = option(
+        64, "open connections one client address may hold; more get 503 and are closed (0: unlimited)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise InvalidParameterError(f"ServerConfig.port must be in [0, 65535], got {self.port}")
-        for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes"):
+        for name in ("max_queued_requests", "max_queued_tokens", "max_request_bytes", "max_connections_per_client"):
             if getattr(self, name) < 0:
                 raise InvalidParameterError(f"ServerConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("request_timeout", "drain_timeout"):
+        for name in ("request_timeout", "drain_timeout", "header_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidParameterError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after < 1:

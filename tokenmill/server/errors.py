@@ -43,8 +43,16 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    body = {"error": {"message": printable(message), "type": type, "param": printable(param), "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def printable(text: str | None) -> str | None:
+    """``text`` with lone surrogates (from a client's field names) written as ``\\udxxx``, so the
+    error body still encodes to UTF-8."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def param_from_message(message: str) -> str | None:
@@ -55,15 +63,35 @@ def param_from_message(message: str) -> str | None:
     return None
 
 
+CUSTOM_CODES = {"invalid_unicode": "invalid_unicode", "unsupported_parameter": "unsupported_parameter",
+                "string_unicode": "invalid_unicode"}
+"""Error types of the schemas' own validators (protocol.py), and pydantic's own for a lone surrogate
+(in a field name, say), with the code each is reported as."""
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
-    """One message and the bad field's path. A value no member of a union accepts gives one
-    error per member (their paths end in the member's name): report their common path."""
+    """One message, the bad field's path and a code. A value no member of a union accepts gives one
+    error per member (their paths end in the member's name): report their common path. An error of
+    the schemas' own validators wins over the union's others: it names the field (the top-level
+    one; the message gives the full path) and its type is the code."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None, "invalid_request"
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('msg')}", None, "invalid_json"
+        detail = (first.get("ctx") or {}).get("error") or first.get("msg")
+        return f"the request body is not valid JSON: {detail}", None, "invalid_json"
+    custom = next((e for e in errors if e.get("type") in CUSTOM_CODES), None)
+    if custom is not None:
+        # drop the names pydantic gives a union's members: "list[int]", and model classes (a body that
+        # is a union of models, as /tokenize's); the API's own fields are snake_case
+        loc = [p for p in custom.get("loc", ()) if p != "body"]
+        while loc and isinstance(loc[0], str) and loc[0][:1].isupper():
+            loc.pop(0)
+        loc = [p for p in loc if isinstance(p, int) or "[" not in p]
+        path = ".".join(map(str, loc))
+        where = f"invalid value for '{path}': " if path else "invalid request body: "
+        return where + str(custom.get("msg")), str(loc[0]) if loc else None, CUSTOM_CODES[custom["type"]]
     locs = [tuple(str(p) for p in e.get("loc", ()) if p != "body") for e in errors]
     same = [loc for loc in locs if loc[:1] == locs[0][:1]]
     common = locs[0]
@@ -94,6 +122,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body" from json.loads
+            cause = exc.__cause__
+            return error_response(400, f"the request body is not valid UTF-8 ({cause.reason} at byte {cause.start}); "
+                                  "send JSON encoded as UTF-8", "invalid_request_error", code="invalid_utf8")
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"

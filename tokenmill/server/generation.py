@@ -33,10 +33,10 @@ from tokenmill.server.async_engine import EngineUpdate
 from tokenmill.server.errors import APIError, param_from_message
 from tokenmill.server.protocol import PromptTokensDetails, SamplingFields, Usage
 from tokenmill.server.state import ServerState
-from tokenmill.server.tenancy import TenantConfig
+from tokenmill.server.tenancy import Reservation, TenantConfig
 
 LARGE_TEXT = 20_000
-"""Prompts longer than this many characters are tokenized off the event loop."""
+"""Prompts longer than this many characters are tokenized (or rendered) off the event loop."""
 
 
 class ClientDisconnected(Exception):
@@ -72,10 +72,33 @@ def deadline_of(state: ServerState, request: Request, arrival: float) -> float:
     return arrival + timeout
 
 
-async def tokenize(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
-    if len(text) > LARGE_TEXT:
-        return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens)
-    return state.tokenizer.encode(text, add_special_tokens)
+async def tokenize(state: ServerState, text: str, add_special_tokens: bool = True, param: str = "prompt"
+                   ) -> list[int]:
+    """The token ids of one prompt text (``param`` names its field in errors); see :func:`tokenize_all`."""
+    return (await tokenize_all(state, [text], add_special_tokens, param))[0]
+
+
+async def tokenize_all(state: ServerState, texts: list[str], add_special_tokens: bool = True,
+                       param: str = "prompt") -> list[list[int]]:
+    """The token ids of each of a request's prompt texts. A text too long to fit in any sequence is
+    refused before anything is tokenized; when they are long together, they are tokenized in a
+    worker thread, by the tokenizer's path that lets the event loop run meanwhile."""
+    for text in texts:
+        check_text_length(state, len(text), param)
+    if sum(map(len, texts)) > LARGE_TEXT:
+        encode = state.tokenizer.encode_releasing_gil
+        return await asyncio.to_thread(lambda: [encode(text, add_special_tokens) for text in texts])
+    return [state.tokenizer.encode(text, add_special_tokens) for text in texts]
+
+
+def check_text_length(state: ServerState, chars: int, param: str = "prompt") -> None:
+    """400 ``context_length_exceeded`` for a text of more characters than the longest sequence can
+    hold (each token covers at most ``max_token_chars`` of them), without tokenizing it."""
+    max_seq, per_token = state.limits.max_seq_tokens, state.tokenizer.max_token_chars
+    if chars > max_seq * per_token:
+        raise APIError(400, f"{param!r} has {chars} characters, more than fit in the context: a sequence "
+                       f"holds at most {max_seq} tokens and this model's longest token has {per_token} "
+                       "characters; shorten it", param=param, code="context_length_exceeded")
 
 
 def check_prompt(state: ServerState, ids: list[int], max_tokens: int | None, param: str = "prompt") -> int:
@@ -132,8 +155,8 @@ class Generation:
         self.prompts, self.params, self.priority = prompts, params, priority
         self.arrival = arrival
         self.deadline = deadline_of(state, http, arrival)
-        salt = tenant.name if state.config.isolate_tenant_cache else None
-        self.cache_salt = f"{salt}:{cache_salt}" if salt and cache_salt else (salt or cache_salt)
+        self.cache_salt = state.tenancy.cache_salt(tenant, cache_salt)
+        """The engine's prefix-cache salt: the tenant's cache_group and the request's cache_salt, hashed."""
         base = new_id("req")
         self.request_ids = [f"{base}-{i}" for i in range(len(prompts))]
         self.outputs = {rid: OutputAccumulator(rid, None, ids, params.n, params.logprobs is not None,
@@ -146,7 +169,9 @@ class Generation:
         self.unfinished: set[str] = set()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ticket: Ticket | None = None
-        self._started_tenant = False
+        self.reservation: Reservation | None = None
+        """The tenant's hold on its limits (reserved_tokens), settled or cancelled by close()."""
+        self._added = False
         self._watcher: asyncio.Task | None = None
         self._last_token_time: dict[str, float] = {}
         self._closed = False
@@ -154,6 +179,16 @@ class Generation:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """What tokens_per_minute holds at admission: every prompt, plus max_tokens for each of its n
+        samples (the handlers fill max_tokens in; without it, the rest of the context)."""
+        asked, total = self.params.max_tokens, 0
+        for ids in self.prompts:
+            room = asked if asked is not None else max(self.state.limits.max_seq_tokens - len(ids), 0)
+            total += len(ids) + self.params.n * room
+        return total
 
     @property
     def cached_tokens(self) -> int:
@@ -178,8 +213,11 @@ class Generation:
             raise APIError(400, f"{len(self.prompts)} prompt(s) times n={self.params.n} is {num_seqs} sequences; "
                            f"the server runs at most {state.admission.capacity} at once", param="n")
         try:
-            state.tenancy.start(self.tenant, self.prompt_tokens)
-            self._started_tenant = True
+            try:
+                self.reservation = state.tenancy.start(self.tenant, self.reserved_tokens)
+            except APIError as exc:  # the reservation alone is over the tenant's limit
+                state.metrics.reject(exc.code or "tenant_tokens_exceeded")
+                raise
             self.ticket = Ticket(self.priority, num_seqs, self.prompt_tokens, self.deadline)
             try:
                 state.metrics.set_queued(state.admission.num_queued + 1, state.engine.snapshot.num_waiting)
@@ -193,6 +231,7 @@ class Generation:
         except BaseException:
             self.close()
             raise
+        self._added = True
         for request_id, ids in zip(self.request_ids, self.prompts):
             state.engine.add(request_id, ids, self.params, self.queue, self.deadline, self.priority,
                              self.cache_salt)
@@ -272,8 +311,12 @@ class Generation:
         state = self.state
         if self.ticket is not None:
             state.admission.release(self.ticket)
-        if self._started_tenant:
-            state.tenancy.finish(self.tenant, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        if self.reservation is not None:  # settle to what was used; all of it back if it never ran
+            if self._added:
+                state.tenancy.finish(self.reservation, self.prompt_tokens, self.cached_tokens,
+                                     self.completion_tokens)
+            else:
+                state.tenancy.cancel(self.reservation)
         now = time.monotonic()
         for request_id, ids in zip(self.request_ids, self.prompts):
             delta = self.latest.get(request_id)

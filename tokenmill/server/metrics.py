@@ -2,7 +2,8 @@
 
 Engine gauges and counters come from the engine thread's snapshot after every loop iteration;
 request histograms and token counters from each finished request; rejections from admission
-and tenancy; per-tenant usage is read from Tenancy at scrape time.
+and tenancy; per-tenant usage is read from Tenancy at scrape time. The tenant label names every
+tenant, which is why /metrics (ops.py) needs an admin or metrics key when keys are configured.
 """
 
 from __future__ import annotations

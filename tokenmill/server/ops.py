@@ -26,16 +26,25 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """200 when new requests are accepted; 503 while draining or without an engine."""
+    """200 when new requests are accepted; 503 ``not_ready`` while draining or without an engine,
+    503 ``warming_up`` while the engine thread warms up (kernels, a first step)."""
+    from tokenmill.server.warmup import check_warm
+
     state = get_state(request)
     if state.draining or not state.engine.alive:
         raise APIError(503, "not ready: " + ("draining" if state.draining else "the engine loop is not running"),
                        code="not_ready", retry_after=state.config.retry_after)
+    check_warm(state, count=False)
     return JSONResponse({"status": "ready"})
 
 
 @router.get("/metrics")
-async def metrics(request: Request) -> Response:
+async def metrics(request: Request, tenant: Annotated[TenantConfig, Depends(authenticate)]) -> Response:
+    """Prometheus text; it names every tenant and its usage, so with keys configured it needs the key
+    of an admin or a ``metrics`` tenant (401 without a key, 403 for others). Open without keys."""
+    if not (tenant.admin or tenant.metrics):
+        raise APIError(403, f"tenant {tenant.name!r} may not read /metrics (it needs \"admin\" or "
+                       "\"metrics\" in the keys file)", code="metrics_not_allowed")
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -5,16 +5,45 @@ OpenAI SDK sends; OpenAI features tokenmill does not implement (tools, logit_bia
 are accepted only at their no-op values. vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, ignore_eos, priority, ...) are accepted too, e.g. through ``extra_body``.
 Ranges the engine checks itself (SamplingParams) are left to it, so its error names the field.
+
+Text fields are :data:`Text`: JSON lets a lone UTF-16 surrogate through (``"\\ud800"``), but no
+tokenizer or UTF-8 encoder takes one, so it is refused here (error type ``invalid_unicode``).
+Errors raised as :class:`PydanticCustomError` carry their type as the error's ``code``.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 INT64 = 2**63
-StopList = Annotated[list[str], Field(max_length=64)]
+
+
+def valid_unicode(text: str) -> str:
+    """``text`` if it encodes to UTF-8, else an ``invalid_unicode`` error (a lone surrogate)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PydanticCustomError(
+                "invalid_unicode", "the text has a lone UTF-16 surrogate ({char}) at character {position}; "
+                "send valid Unicode (surrogates only as pairs)",
+                {"char": f"\\u{ord(text[exc.start]):04x}", "position": exc.start}) from None
+    return text
+
+
+def only_with_tools(value: Any) -> Any:
+    """Refuse any value but null (``unsupported_parameter``): for options that only make sense with tools."""
+    if value is not None:
+        raise PydanticCustomError("unsupported_parameter", "only allowed with tools, which tokenmill does not "
+                                  "support")
+    return value
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+StopList = Annotated[list[Text], Field(max_length=64)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
@@ -30,7 +59,7 @@ class StreamOptions(Strict):
 class SamplingFields(Strict):
     """Fields completions and chat share."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=256)
     temperature: float | None = Field(None, ge=0, le=1e4)
     top_p: float | None = None
@@ -40,7 +69,7 @@ class SamplingFields(Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    stop: str | StopList | None = None
+    stop: Text | StopList | None = None
     stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -50,15 +79,15 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     """Lower is served first (vLLM's convention)."""
-    cache_salt: str | None = Field(None, max_length=256)
+    cache_salt: Text | None = Field(None, max_length=256)
     """Requests with different salts never share prefix-cache blocks."""
-    user: str | None = None
+    user: Text | None = None
     logit_bias: dict[str, float] | None = None
     """Only accepted empty."""
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=0, lt=INT64)
     logprobs: int | None = None
@@ -71,13 +100,13 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
 
 class ResponseFormat(Strict):
@@ -94,10 +123,11 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
     tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Annotated[bool | None, AfterValidator(only_with_tools)] = None
+    """Refused unless null, as tools are (OpenAI allows it only with tools)."""
     store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    metadata: dict[Text, Text] | None = None
+    service_tier: Text | None = None
     add_generation_prompt: bool = True
 
 
@@ -199,13 +229,13 @@ class ModelList(BaseModel):
 
 
 class TokenizePromptRequest(Strict):
-    model: str | None = None
-    prompt: str
+    model: Text | None = None
+    prompt: Text
     add_special_tokens: bool = True
 
 
 class TokenizeChatRequest(Strict):
-    model: str | None = None
+    model: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
 
@@ -217,7 +247,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(Strict):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 

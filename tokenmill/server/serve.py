@@ -1,5 +1,9 @@
 """Run the app under uvicorn; SIGTERM (or Ctrl-C) drains: new requests get 503, in-flight ones
-finish (up to ``drain_timeout``), then the server stops. A second signal stops it at once."""
+finish (up to ``drain_timeout``), then the server stops. A second signal stops it at once.
+
+:func:`uvicorn_config` is the one place a uvicorn.Config is built (``serve`` and the tests' live
+server): HTTP/1.1 through :class:`~tokenmill.server.connections.GuardedH11Protocol`, so the
+header timeout and the per-client connection cap hold wherever the app is served."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import uvicorn
 from tokenmill.llm import LLM
 from tokenmill.server.app import build_app, create_state
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.connections import guarded_protocol
 from tokenmill.server.state import ServerState
 
 logger = logging.getLogger("tokenmill.server")
@@ -39,11 +44,17 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def uvicorn_config(app, config: ServerConfig, **kwargs) -> uvicorn.Config:
+    """uvicorn's Config for ``app`` under ``config`` (address, connection guards); ``kwargs`` go to
+    uvicorn.Config and win over these."""
+    protocol = guarded_protocol(config.header_timeout, config.max_connections_per_client, config.retry_after)
+    return uvicorn.Config(app, **{"host": config.host, "port": config.port, "http": protocol, **kwargs})
+
+
 def serve(llm: LLM, config: ServerConfig) -> None:
     """Serve a loaded model until SIGTERM/SIGINT."""
     state = create_state(llm, config)
     sys.setswitchinterval(0.001)  # the engine thread holds the GIL in its Python parts; hand it over sooner
-    uv = uvicorn.Config(build_app(state), host=config.host, port=config.port, log_level="info",
-                        timeout_graceful_shutdown=5)
+    uv = uvicorn_config(build_app(state), config, log_level="info", timeout_graceful_shutdown=5)
     logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
     DrainingServer(uv, state).run()

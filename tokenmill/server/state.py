@@ -32,6 +32,13 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0
     """HTTP requests being served (streams included)."""
+    warming: bool = False
+    """True from construction until the engine thread has warmed up (kernels built or loaded, one
+    tiny generation run): set and cleared by the engine thread (``AsyncEngine.warm_up_first``);
+    meanwhile /ready and generation requests answer 503 ``warming_up`` (server/warmup.py)."""
+
+    def __post_init__(self) -> None:
+        self.engine.warm_up_first(lambda warming: setattr(self, "warming", warming))
 
     @property
     def max_model_len(self) -> int:
@@ -47,6 +54,14 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+TENANT_SCOPE_KEY = "tokenmill.tenant"
+"""Where ServingMiddleware leaves the tenant it authenticated (in ``scope["state"]``), before the body is read."""
+
+
 def authenticate(request: Request) -> TenantConfig:
-    """FastAPI dependency: the caller's tenant (401 without a valid key when keys are configured)."""
+    """FastAPI dependency: the caller's tenant (401 without a valid key when keys are configured),
+    as ServingMiddleware found it, or from the Authorization header on routes it does not check."""
+    tenant = request.scope.get("state", {}).get(TENANT_SCOPE_KEY)
+    if tenant is not None:
+        return tenant
     return get_state(request).tenancy.authenticate(request.headers.get("authorization"))

@@ -123,8 +123,9 @@ class Soak:
             ("no-key", {"json": body, "headers": {}}),
         ]
         kind, spec = rng.choice(bad)
-        headers = spec.pop("headers", None)
-        return kind, {"path": "/v1/completions", "headers": auth("alice") if headers is None else headers, **spec}
+        headers = {} if kind == "no-key" else {**auth("alice"), **spec.pop("headers", {})}
+        spec.pop("headers", None)
+        return kind, {"path": "/v1/completions", "headers": headers, **spec}
 
     async def send(self, client: httpx.AsyncClient, kind: str, req: dict) -> None:
         self.kinds[kind] += 1

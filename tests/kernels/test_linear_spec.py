@@ -65,3 +65,16 @@ def test_native_linear_takes_named_members_and_keywords_only():
         ops.Linear(kind=ops.LinearKind.INT4, weight=w, out_features=16, in_features=32, group_size=32)
     with pytest.raises(TypeError):
         ops.int8_weight_linear(torch.zeros(1, 32), w, s, True)  # the kernel path is keyword-only
+
+
+@needs_kernels
+def test_decode_plans_cross_by_name():
+    slots, tables = torch.zeros(2, dtype=torch.long), torch.zeros(2, 3, dtype=torch.int32)
+    start, end = torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    plan = ops.DecodePlan(slots=slots, block_tables=tables, key_start=start, key_end=end)
+    assert plan.block_tables is not None and torch.equal(plan.key_end, end)
+    with pytest.raises(TypeError):
+        ops.DecodePlan(slots, tables, start, end)  # positional: refused
+    stack = ops.DecodeStack(eps=1e-6, cast_before_scale=True)
+    with pytest.raises(TypeError):  # the old 4-tuples are no longer accepted
+        stack.run(h=torch.zeros(2, 8), ropes=[], plans=[(slots, tables, start, end)])

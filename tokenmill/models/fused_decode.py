@@ -53,9 +53,11 @@ def linear_spec(module: nn.Module, ops) -> CpuLinearSpec | None:
 class FusedDecoder:
     """A model's decoder layers bound to one KV cache, as one ``DecodeStack``."""
 
-    def __init__(self, stack, linears: tuple[nn.Module, ...], plan_keys: list[tuple[int, int | None]],
-                 packed: list[nn.Module]) -> None:
+    def __init__(self, stack, plan_type: type, linears: tuple[nn.Module, ...],
+                 plan_keys: list[tuple[int, int | None]], packed: list[nn.Module]) -> None:
         self.stack = stack
+        self.plan_type = plan_type
+        """The compiled module's DecodePlan: one per attention plan, handed to ``stack.run``."""
         self.linears = linears
         """The linear modules it was built from: a model whose modules were swapped since is rebuilt."""
         self.packed = [(m, weight_key(m.weight)) for m in packed]
@@ -108,7 +110,7 @@ class FusedDecoder:
             stack.add_layer(norms=norms, qk_norms=qk_norms, qkv=qkv, o=o, gate_up=gate_up, down=down,
                             heads=attn.n_heads, kv_heads=attn.n_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
                             gelu_tanh=mlp.act != "silu", rope=rope, plan=plan_keys.index(key), cache=cache)
-        return cls(stack, tuple(linears), plan_keys, packed)
+        return cls(stack, ops.DecodePlan, tuple(linears), plan_keys, packed)
 
     def current_for(self, model: nn.Module) -> bool:
         """Whether the model still holds the linear modules this stack was built from, with the
@@ -127,5 +129,6 @@ class FusedDecoder:
         plans = []
         for group, window in self.plan_keys:
             d = meta.plan(group, window).kernel_decodes()
-            plans.append((meta.slot_mapping[group], d.block_tables, d.key_start, d.key_end))
+            plans.append(self.plan_type(slots=meta.slot_mapping[group], block_tables=d.block_tables,
+                                        key_start=d.key_start, key_end=d.key_end))
         return self.stack.run(h=h, ropes=ropes, plans=plans)

@@ -30,15 +30,18 @@ EXEMPT_FROM_DRAIN = {"/health", "/ready", "/metrics"}
 
 
 def create_state(llm: LLM, config: ServerConfig) -> ServerState:
-    """Wire a loaded model to the server's parts; the engine thread starts with the app."""
+    """Wire a loaded model to the server's parts; the engine thread starts with the app and warms
+    up first (``state.warming`` until then)."""
     engine = llm.engine
     name = config.served_model_name or llm.model_name
     tenancy = Tenancy.load(config.api_keys)
     metrics = ServerMetrics(name, tenancy)
     admission = AdmissionController(engine.config.scheduler.max_num_seqs, config.max_queued_requests,
                                     config.max_queued_tokens, config.retry_after)
-    return ServerState(config, AsyncEngine(engine, on_snapshot=metrics.observe_snapshot), llm.tokenizer, name,
-                       engine.limits, admission, tenancy, metrics)
+    state = ServerState(config, AsyncEngine(engine, on_snapshot=metrics.observe_snapshot), llm.tokenizer, name,
+                        engine.limits, admission, tenancy, metrics)
+    state.engine.warm_up_first(lambda warming: setattr(state, "warming", warming))
+    return state
 
 
 class ServingMiddleware:

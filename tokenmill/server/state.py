@@ -34,11 +34,8 @@ class ServerState:
     """HTTP requests being served (streams included)."""
     warming: bool = False
     """True from construction until the engine thread has warmed up (kernels built or loaded, one
-    tiny generation run): set and cleared by the engine thread (``AsyncEngine.warm_up_first``);
+    tiny generation run): set and cleared through ``AsyncEngine.warm_up_first`` (create_state);
     meanwhile /ready and generation requests answer 503 ``warming_up`` (server/warmup.py)."""
-
-    def __post_init__(self) -> None:
-        self.engine.warm_up_first(lambda warming: setattr(self, "warming", warming))
 
     @property
     def max_model_len(self) -> int:

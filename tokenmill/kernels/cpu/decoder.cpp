@@ -262,6 +262,15 @@ struct Layer {
   torch::Tensor keys, values, key_scales, value_scales;  // this layer's cache blocks
 };
 
+// One attention plan of a decode step: what the layers that share a KV group and window read and
+// write for each sequence b of the batch.
+struct DecodePlan {
+  torch::Tensor slots;         // int64 [B]: the cache slot of b's new key and value
+  torch::Tensor block_tables;  // int32 [B, W]: b's blocks, padded with the null block
+  torch::Tensor key_start;     // int32 [B]: b attends to keys key_start[b] .. key_end[b] - 1
+  torch::Tensor key_end;       // int32 [B]
+};
+
 // A stack of decoder layers bound to one KV cache: run() takes the hidden states of a step whose
 // sequences all have one new token and returns them after the last layer (before the final norm).
 class DecodeStack {
@@ -287,23 +296,24 @@ class DecodeStack {
     layers_.push_back(std::move(l));
   }
 
-  // h [B, hidden]; ropes: (cos, sin) [B, head_dim] per RoPE table; plans: per attention plan
-  // (slots int64 [B], block_tables int32 [B, W], key_start, key_end int32 [B]).
+  // h [B, hidden]; ropes: (cos, sin) [B, head_dim] per RoPE table; plans: one DecodePlan per
+  // attention plan (a layer's ``plan`` indexes them).
   torch::Tensor run(torch::Tensor h, std::vector<std::pair<torch::Tensor, torch::Tensor>> ropes,
-                    std::vector<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>> plans) const {
+                    std::vector<DecodePlan> plans) const {
     const int64_t B = h.size(0);
     for (const Layer& l : layers_) {
       TORCH_CHECK(l.rope < static_cast<int64_t>(ropes.size()) && l.plan < static_cast<int64_t>(plans.size()),
                   "DecodeStack.run: missing RoPE table or attention plan");
       const auto& [cos, sin] = ropes[l.rope];
-      const auto& [slots, tables, start, end] = plans[l.plan];
+      const DecodePlan& plan = plans[l.plan];
       auto x = rms_norm(h, l.attn_norm, eps_, cast_);
       auto qkv = qkv_rope(l.qkv(x), l.heads, l.kv_heads, l.head_dim, cos, sin,
                           l.q_norm.defined() ? std::optional<torch::Tensor>(l.q_norm) : std::nullopt,
                           l.k_norm.defined() ? std::optional<torch::Tensor>(l.k_norm) : std::nullopt, eps_, cast_);
-      write_kv(l, slots, qkv[1], qkv[2]);
+      write_kv(l, plan.slots, qkv[1], qkv[2]);
       auto attn = paged_decode_attention(qkv[0], l.keys, l.values, l.key_scales.defined() ? l.key_scales : empty_,
-                                         l.value_scales.defined() ? l.value_scales : empty_, tables, start, end,
+                                         l.value_scales.defined() ? l.value_scales : empty_, plan.block_tables,
+                                         plan.key_start, plan.key_end,
                                          l.scale, KernelPath::Fastest);
       auto a = l.o(attn.view({B, l.heads * l.head_dim}));
       if (l.post_attn_norm.defined()) a = rms_norm(a, l.post_attn_norm, eps_, cast_);
@@ -353,6 +363,16 @@ void bind_decoder(pybind11::module& m) {
       .def_property_readonly("out_features", [](const Linear& l) { return l.out_features; })
       .def_property_readonly("in_features", [](const Linear& l) { return l.in_features; })
       .def_property_readonly("group_size", [](const Linear& l) { return l.group_size; });
+  py::class_<DecodePlan>(m, "DecodePlan", "one attention plan of a decode step (DecodeStack.run)")
+      .def(py::init([](torch::Tensor slots, torch::Tensor block_tables, torch::Tensor key_start,
+                       torch::Tensor key_end) {
+             return DecodePlan{std::move(slots), std::move(block_tables), std::move(key_start), std::move(key_end)};
+           }),
+           py::kw_only(), py::arg("slots"), py::arg("block_tables"), py::arg("key_start"), py::arg("key_end"))
+      .def_readonly("slots", &DecodePlan::slots)
+      .def_readonly("block_tables", &DecodePlan::block_tables)
+      .def_readonly("key_start", &DecodePlan::key_start)
+      .def_readonly("key_end", &DecodePlan::key_end);
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<double, bool>(), py::arg("eps"), py::arg("cast_before_scale"))
       .def("add_layer", &DecodeStack::add_layer, py::kw_only(), py::arg("norms"), py::arg("qk_norms"),

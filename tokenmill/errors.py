@@ -8,11 +8,12 @@ maps them to OpenAI-style 4xx errors.
 class TokenmillError(Exception):
     """Base class: a problem the user can fix (bad model, bad file, bad parameter).
 
-    ``param``: the name of the offending input, when there is one (the server reports it)."""
+    ``param``: the name of the offending input, when there is one; ``code``: a machine-readable
+    reason (the server reports both in its error JSON)."""
 
-    def __init__(self, message: str = "", param: str | None = None) -> None:
+    def __init__(self, message: str = "", param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class ModelNotFoundError(TokenmillError):

@@ -106,3 +106,9 @@ def test_fuzz_openapi_no_server_errors(server, mode) -> None:
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= called
     server.wait_idle()
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == MODEL
+
+
+@pytest.mark.parametrize("prompt, code", [([1, 2, 100000], "invalid_token_id"), ([[1, 2], [3, 10**6]], "invalid_token_id")])
+def test_prompt_errors_carry_a_code(server, prompt, code) -> None:
+    error = assert_openai_error(httpx.post(server.url + "/v1/completions", json={"prompt": prompt}, timeout=30), 400)
+    assert error["code"] == code and error["param"] == "prompt", error

@@ -31,12 +31,12 @@ class PromptLimits:
 
         Errors name ``param`` (the prompt's field) or ``max_tokens``."""
         if not ids:
-            raise InvalidParameterError("the prompt is empty", param=param)
+            raise InvalidParameterError("the prompt is empty", param=param, code="empty_prompt")
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
                     or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidParameterError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
-                                        param=param)
+                                        param=param, code="invalid_token_id")
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens but the context window is {self.max_model_len} tokens; "

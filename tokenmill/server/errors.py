@@ -37,7 +37,7 @@ class APIError(Exception):
 
     @classmethod
     def from_tokenmill(cls, exc: TokenmillError, param: str | None = None) -> APIError:
-        code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+        code = exc.code or ("context_length_exceeded" if isinstance(exc, ContextLengthError) else None)
         return cls(400, str(exc), param=param or exc.param or param_from_message(str(exc)), code=code)
 
 

@@ -86,13 +86,9 @@ def _llm(args: argparse.Namespace, **overrides):
     return LLM(args.model, **{**options, **overrides})
 
 
-def _load(args: argparse.Namespace):
-    return _llm(args)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    llm = _load(args)
+    llm = _llm(args)
     prompt = llm.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     for delta in llm.stream(prompt, params):
         sys.stdout.write(delta)
@@ -103,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    llm = _load(args)
+    llm = _llm(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print(f"tokenmill chat with {llm.model_name} (empty line or Ctrl-D to quit)", file=sys.stderr)
     while True:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from dataclasses import MISSING, Field, field
+from dataclasses import Field, field
 from typing import Any, Iterable, Literal
 
 from tokenmill.errors import InvalidParameterError
@@ -141,8 +141,3 @@ def options_doc(*classes: type) -> str:
         for f in option_fields(cls):
             lines.append(f"    {f.name} = {f.default!r}: {f.metadata['help']}")
     return "\n".join(lines)
-
-
-def defaults(cls: type) -> dict[str, Any]:
-    """Each option field's default (fields without one are left out)."""
-    return {f.name: f.default for f in option_fields(cls) if f.default is not MISSING}

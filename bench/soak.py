@@ -44,6 +44,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+from launch import wait_ready
 
 RESULTS = Path(__file__).parent / "results"
 RETRY_CODES = {  # the reasons the server documents for a 429 or 503 (README, Server)
@@ -229,20 +230,6 @@ def start_server(args: argparse.Namespace, keys: Path, port: int) -> subprocess.
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    stop = time.monotonic() + timeout
-    while time.monotonic() < stop:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; see {tempfile.gettempdir()}/soak-server.log")
-        try:
-            if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not become ready")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -263,7 +250,7 @@ def main() -> None:
         keys_file(keys)
         proc = start_server(args, keys, args.port)
         try:
-            wait_ready(base, proc)
+            wait_ready(base, proc, f"{tempfile.gettempdir()}/soak-server.log")
             soak = Soak(base, args.model, args)
             rate = asyncio.run(_capacity(soak, args.max_num_seqs))
             rss_start = rss_bytes(proc.pid)

@@ -114,3 +114,47 @@ def test_n_samples_arrive_together(tiny_llm) -> None:
         assert [o.index for o in output.outputs] == list(range(n)) and all(o.token_ids for o in output.outputs)
 
     run(engine, scenario)
+
+
+def test_run_here_steps_in_the_calling_thread_until_stop(tiny_llm) -> None:
+    """``tokenmill serve`` steps the engine in the main thread (where the model was loaded: one
+    OpenMP pool) and serves HTTP from another: requests from that other thread's event loop are
+    served by the caller's loop, start() is then a no-op and stop() ends run_here()."""
+    import threading
+
+    engine = AsyncEngine(tiny_llm.engine)
+    stepping_threads: set[str] = set()
+    step = tiny_llm.engine.step
+
+    def recording_step():
+        stepping_threads.add(threading.current_thread().name)
+        return step()
+
+    tiny_llm.engine.step = recording_step
+    results: list[RequestOutput] = []
+
+    def http_side() -> None:
+        async def main() -> None:
+            engine.start()  # what the app's lifespan does: nothing here
+            queue: asyncio.Queue = asyncio.Queue()
+            engine.add("here-1", [5, 6, 7], GREEDY, queue, time.monotonic() + 30)
+            update, output = await last_update(queue)
+            assert update.error is None
+            results.append(output)
+            engine.stop()
+
+        while not engine.alive:
+            time.sleep(0.01)
+        asyncio.run(main())
+
+    try:
+        http = threading.Thread(target=http_side, name="http-side")
+        http.start()
+        engine.run_here()  # returns once http_side called stop()
+        http.join(10)
+    finally:
+        del tiny_llm.engine.step
+    assert not http.is_alive() and not engine.alive
+    assert stepping_threads == {threading.current_thread().name}
+    assert len(results) == 1 and len(results[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert tiny_llm.engine.num_used_blocks == 0

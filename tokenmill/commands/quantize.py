@@ -6,6 +6,7 @@ import argparse
 
 from tokenmill.config import LoadConfig
 from tokenmill.options import add_option_group, option_fields
+from tokenmill.quantization.config import Int4WeightOnlyConfig
 
 METHODS = ("int8", "int4", "int4-gptq", "w8a8")
 
@@ -14,8 +15,9 @@ def add_quantize_parser(sub) -> None:
     q = sub.add_parser("quantize", help="quantize a model and save it as a directory LLM() loads")
     q.add_argument("model", metavar="MODEL", help=option_fields(LoadConfig, only=("model",))[0].metadata["help"])
     q.add_argument("--method", required=True, choices=METHODS)
-    q.add_argument("--group-size", type=int, default=64,
-                   help="int4, int4-gptq: input columns per scale/zero (32, 64, 128, 256)")
+    q.add_argument("--group-size", type=int, default=None,
+                   help=f"int4, int4-gptq: input columns per scale/zero (32, 64, 128, 256; default "
+                        f"{Int4WeightOnlyConfig.group_size})")
     q.add_argument("--calibration-samples", type=int, default=None,
                    help="int4-gptq, w8a8 static: calibration sequences of 512 tokens (default 32, 16)")
     q.add_argument("--activation", choices=("dynamic", "static"), default="dynamic",
@@ -60,19 +62,28 @@ def _add_mixed_precision_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--eval-tokens", type=int, default=2048,
                    help="--sensitivity: tokens of the evaluation slice (from the middle of the corpus)")
     q.add_argument("--eval-data", default=None, metavar="FILE",
-                   help="--sensitivity: text whose middle is the evaluation slice (default: the corpus)")
+                   help="--sensitivity: text whose middle is the evaluation slice, and whose start the quality "
+                        "check reads (default: the corpus)")
+    q.add_argument("--quality-tokens", type=int, default=2048, metavar="N",
+                   help="end with the perplexity before and after quantizing on the first N tokens of the corpus "
+                        "(held out: calibration reads its end, sensitivity its middle); 0 skips the check")
+    q.add_argument("--quality-budget", type=float, default=0.08, metavar="FRACTION",
+                   help="warn when quantizing raises that perplexity by more than this fraction")
     q.add_argument("--plan-out", default=None, metavar="FILE",
                    help="--sensitivity: where to write the plan (default DIR/quantization_plan.json)")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from tokenmill.errors import InvalidParameterError
     from tokenmill.quantization import config_from_dict, quantize, save_quantized
 
     options: dict = {"method": args.method, "quantize_lm_head": not args.no_lm_head}
     if args.method == "int8":
         options["scale_search"] = not args.no_range_search
     if args.method.startswith("int4"):
-        options.update(group_size=args.group_size, range_search=not args.no_range_search)
+        options["range_search"] = not args.no_range_search
+        if args.group_size is not None:
+            options["group_size"] = args.group_size
         if args.activation_weighted:
             options["activation_weighted"] = True
     if args.method == "int4-gptq" and args.no_act_order:
@@ -87,14 +98,68 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.calibration_samples is not None:
         options["calibration_samples" if args.method == "w8a8" else "num_samples"] = args.calibration_samples
     config = config_from_dict(options)
-    if args.sensitivity:
-        loaded, config = _plan_and_quantize(args, config)
-    else:
+    if args.quality_tokens < 0 or not args.quality_budget > 0:
+        raise InvalidParameterError("--quality-tokens must be 0 or more and --quality-budget positive")
+    if not args.sensitivity:
         config = _with_kept_layers(args, config)
-        loaded = quantize(args.model, config, dtype=compute_dtype(args), device=args.device, cache_dir=args.cache_dir)
+    elif args.ppl_budget is None and args.size_budget_mb is None:
+        raise InvalidParameterError("--sensitivity needs a budget: --ppl-budget FRACTION or --size-budget-mb MB")
+    loaded = _load_float(args)
+    quality = QualityCheck(args, loaded) if args.quality_tokens else None
+    if args.sensitivity:
+        config = _plan(args, config, loaded)
+    quantize(loaded, config, dtype=compute_dtype(args))
     out = save_quantized(loaded, args.out)
     print(f"wrote {out} ({config.method})")
+    if quality is not None:
+        quality.report(loaded, config)
     return 0
+
+
+def _load_float(args: argparse.Namespace):
+    """The model to quantize, in float32 (a quantized directory refused)."""
+    from pathlib import Path
+
+    from tokenmill.device import resolve_device
+    from tokenmill.paths import default_cache_dir
+    from tokenmill.quantization.api import load_float32
+
+    return load_float32(args.model, resolve_device(args.device), Path(args.cache_dir or default_cache_dir()))
+
+
+class QualityCheck:
+    """Perplexity on held-out text before quantizing (the float32 source) and after (the quantized
+    model in its compute dtype), printed as one line, with a warning on stderr above the budget."""
+
+    CONTEXT, STRIDE = 512, 256
+
+    def __init__(self, args: argparse.Namespace, loaded) -> None:
+        from tokenmill.eval.corpus import fetch_corpus, read_tokens
+
+        self.budget = args.quality_budget
+        text = args.eval_data or fetch_corpus(args.cache_dir)
+        self.ids = read_tokens(loaded.tokenizer, text, args.quality_tokens)
+        self.before = self._perplexity(loaded.model)
+
+    def _perplexity(self, model) -> float:
+        from tokenmill.eval.perplexity import perplexity
+
+        return perplexity(model, self.ids, min(self.CONTEXT, len(self.ids)), self.STRIDE, progress=False).perplexity
+
+    def report(self, loaded, config) -> float:
+        """Print the quality line (and the warning): -> the relative change."""
+        import sys
+
+        after = self._perplexity(loaded.model)
+        change = after / self.before - 1
+        dtype = str(loaded.model.embed.weight.dtype).removeprefix("torch.")
+        print(f"quality: perplexity on {len(self.ids)} held-out tokens {self.before:.3f} (float32 source) -> "
+              f"{after:.3f} ({config.method}, {dtype}): {change:+.2%} (budget +{self.budget:.0%})")
+        if change > self.budget:
+            print(f"warning: quantizing raised perplexity by {change:+.2%}, above the +{self.budget:.0%} budget; "
+                  f"try a smaller --group-size, --method int4-gptq, or keep the worst layers "
+                  f"(--sensitivity --ppl-budget {self.budget})", file=sys.stderr)
+        return change
 
 
 def compute_dtype(args: argparse.Namespace) -> str:
@@ -135,26 +200,18 @@ def _with_kept_layers(args: argparse.Namespace, config):
     return planned
 
 
-def _plan_and_quantize(args: argparse.Namespace, config):
-    """Sensitivity analysis of the float model, a plan under the budget (table printed, plan file
-    written), then the model quantized by the plan: -> (loaded model, planned config)."""
+def _plan(args: argparse.Namespace, config, loaded):
+    """Sensitivity analysis of the float model ``loaded``, a plan under the budget (table printed,
+    plan file written): -> the planned config to quantize by."""
     from pathlib import Path
 
-    import torch
-
     from tokenmill.device import resolve_device, resolve_dtype
-    from tokenmill.errors import InvalidParameterError
-    from tokenmill.loader import load_model
     from tokenmill.paths import default_cache_dir
-    from tokenmill.quantization import quantize
     from tokenmill.quantization.sensitivity import (
         analyze_sensitivity, format_table, plan_keep_layers, planned_config, sensitivity_ids, write_plan)
 
-    if args.ppl_budget is None and args.size_budget_mb is None:
-        raise InvalidParameterError("--sensitivity needs a budget: --ppl-budget FRACTION or --size-budget-mb MB")
     device = resolve_device(args.device)
     cache = args.cache_dir or default_cache_dir()
-    loaded = load_model(args.model, torch.float32, device, cache_dir=cache)
     ids = sensitivity_ids(loaded.tokenizer, args.eval_tokens, text_file=args.eval_data, cache_dir=cache)
     report = analyze_sensitivity(loaded.model, config, ids, resolve_dtype(compute_dtype(args), device),
                                  tokenizer=loaded.tokenizer, cache_dir=cache)
@@ -162,6 +219,4 @@ def _plan_and_quantize(args: argparse.Namespace, config):
     plan = plan_keep_layers(report, args.ppl_budget, max_bytes)
     print(format_table(report, plan))
     print(f"wrote {write_plan(args.plan_out or Path(args.out) / 'quantization_plan.json', report, plan)}")
-    config = planned_config(report, plan)
-    quantize(loaded, config, dtype=compute_dtype(args))
-    return loaded, config
+    return planned_config(report, plan)

@@ -348,6 +348,11 @@ def int4_fit_params(w: torch.Tensor, q: torch.Tensor, importance: torch.Tensor |
     return scale, zero
 
 
+SEARCH_CHUNK_ELEMENTS = 1 << 18
+"""Weights :func:`int4_search_params` searches at once (1 MiB of float32): a chunk and its
+temporaries stay in cache across the 36 trims, instead of each trim streaming the whole matrix."""
+
+
 def int4_search_params(w: torch.Tensor, dtype: torch.dtype, importance: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`int4_group_params` for groups w [..., g], but the (scale, zero) that minimise each
@@ -357,23 +362,66 @@ def int4_search_params(w: torch.Tensor, dtype: torch.dtype, importance: torch.Te
 
     Trimming lets a few outliers clip so that the other weights get a finer grid. Min-max is
     a candidate and parameters are compared as rounded to ``dtype``, so no group's error is ever
-    above min-max's."""
+    above min-max's. Searched :data:`SEARCH_CHUNK_ELEMENTS` weights at a time along the first
+    dimension (``importance`` broadcasts against w, or has w's first dimension and is cut with it)."""
     w = w.float()
+    rows = max(1, SEARCH_CHUNK_ELEMENTS // max(1, w[0].numel())) if w.dim() > 1 else w.shape[0]
+    if w.dim() < 2 or rows >= w.shape[0]:
+        return _search_params(w, dtype, importance)
+    cut = importance is not None and importance.dim() == w.dim() and importance.shape[0] == w.shape[0] > 1
+    parts = [_search_params(w[i:i + rows], dtype, importance[i:i + rows] if cut else importance)
+             for i in range(0, w.shape[0], rows)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _levels(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """q - 8 as float for :func:`int4_round`'s q (the same rounding: clamp(round(x), -8, 7) + 8 is
+    clamp(round(x) + 8, 0, 15))."""
+    return torch.round((w - zero[..., None]) / scale[..., None]).clamp_(-8, 7)
+
+
+def _error(w: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+           importance: torch.Tensor | None) -> torch.Tensor:
+    """:func:`int4_group_error` for levels u = q - 8 already rounded."""
+    err = torch.addcmul(zero[..., None] - w, u, scale[..., None]).square_()
+    return (err if importance is None else err.mul_(importance)).sum(dim=-1)
+
+
+def _fit(w: torch.Tensor, u: torch.Tensor, importance: torch.Tensor | None, n: torch.Tensor, sw: torch.Tensor,
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`int4_fit_params` for levels u = q - 8, with the groups' weight sums n and sums sw given."""
+    cu = u if importance is None else u * importance
+    su, suu, suw = cu.sum(-1), (cu * u).sum(-1), (cu * w).sum(-1)
+    det = n * suu - su * su
+    ok = det > 1e-12 * n * n
+    scale = torch.where(ok, (n * suw - su * sw) / torch.where(ok, det, 1.0), float("nan"))
+    return scale, (sw - scale * su) / n.clamp(min=1e-30)
+
+
+def _search_params(w: torch.Tensor, dtype: torch.dtype, importance: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     best_scale, best_zero = int4_group_params(w, dtype)
-    best_err = int4_group_error(w, best_scale, best_zero, importance)
+    fs, fz = best_scale.float(), best_zero.float()
+    best_err = _error(w, _levels(w, fs, fz), fs, fz, importance)
+    if importance is None:
+        n, sw = torch.full_like(best_err, w.shape[-1]), w.sum(-1)
+    else:
+        c = importance.expand_as(w)
+        n, sw = c.sum(-1), (c * w).sum(-1)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     span = hi - lo
     for low_trim in RANGE_TRIMS:
         for high_trim in RANGE_TRIMS:
             scale = ((span * (1 - low_trim - high_trim)) / 15.0).clamp(min=1e-8)
             zero = lo + low_trim * span + 8.0 * scale
-            candidates = [(scale, zero)]
-            fitted_scale, fitted_zero = int4_fit_params(w, int4_round(w, scale, zero), importance)
+            fitted_scale, fitted_zero = _fit(w, _levels(w, scale, zero), importance, n, sw)
             usable = fitted_scale > 1e-8  # False for NaN: keep the trimmed parameters there
-            candidates.append((torch.where(usable, fitted_scale, scale), torch.where(usable, fitted_zero, zero)))
+            candidates = ((scale, zero),
+                          (torch.where(usable, fitted_scale, scale), torch.where(usable, fitted_zero, zero)))
             for cand_scale, cand_zero in candidates:
                 cand_scale, cand_zero = cand_scale.to(dtype), cand_zero.to(dtype)
-                err = int4_group_error(w, cand_scale, cand_zero, importance)
+                cs, cz = cand_scale.float(), cand_zero.float()
+                err = _error(w, _levels(w, cs, cz), cs, cz, importance)
                 better = err < best_err
                 best_err = torch.where(better, err, best_err)
                 best_scale = torch.where(better, cand_scale, best_scale)

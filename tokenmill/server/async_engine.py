@@ -18,6 +18,17 @@ an error update (the loop goes on); a failing ``step`` fails the requests it hel
 aborted, their blocks freed) and the loop goes on. An abort takes effect before the next
 step, so an aborted request's KV blocks are free within one step.
 
+Which thread steps (:meth:`AsyncEngine.start` or :meth:`AsyncEngine.run_here`): ``tokenmill serve``
+steps the engine in the process's main thread (``run_here``) and serves HTTP from a second thread.
+That is where the model was loaded, and it must be: OpenMP (libgomp, which PyTorch and tokenmill's
+kernels use) keeps one pool of worker threads per thread that starts parallel regions, and once the
+process holds more such threads than cores, every pool's workers stop spinning between regions
+and sleep instead (libgomp's throttled spin count). A decode step starts a few hundred regions, so
+each then pays a futex wake-up: measured on 2 cores, SmolLM2 bfloat16 decode went from 6.1 ms
+per token (engine in the loading thread) to 13.0 ms (a second thread, after the loading thread had
+used OpenMP once), the whole gap between the server and the offline engine. Tests and embedded
+use keep ``start()``, a thread of the engine's own.
+
 Warm-up (:meth:`AsyncEngine.warm_up_first`, which the server's state asks for): before its first
 command the engine thread builds or loads the CPU kernels (``dispatch.cpu_ops()``, on a CPU
 engine) and runs ``LLMEngine.warm_up()``, one tiny generation, then reports itself warm. Until
@@ -73,16 +84,31 @@ class AsyncEngine:
         self._stopping = False
         self._on_warming: Callable[[bool], None] | None = None
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._driven_here = False
+        self._running = threading.Event()
+        self._done = threading.Event()
 
     # ---- event-loop side ------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        """Step the engine in a thread of its own; a no-op once :meth:`run_here` drives it."""
+        if not self._driven_here:
+            self._thread.start()
+
+    def run_here(self) -> None:
+        """Step the engine in the calling thread until :meth:`stop` (``tokenmill serve`` calls it
+        from the main thread, where the model was loaded; see the module docstring). The app's
+        lifespan ``start()`` is then a no-op and its ``stop()`` ends this call."""
+        self._driven_here = True
+        self._run()
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join(timeout)
+        if self._driven_here:
+            self._done.wait(timeout)
+        elif self._thread.is_alive():
+            self._thread.join(timeout)
 
     def warm_up_first(self, on_warming: Callable[[bool], None]) -> None:
         """Warm up in the engine thread before taking any command (call before :meth:`start`):
@@ -93,7 +119,8 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """Whether the engine loop runs (in whichever thread steps it)."""
+        return self._running.is_set() and not self._done.is_set()
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
             deadline: float, priority: int = 0, cache_salt: str | None = None) -> None:
@@ -115,6 +142,13 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        self._running.set()
+        try:
+            self._loop()
+        finally:
+            self._done.set()
+
+    def _loop(self) -> None:
         if self._on_warming is not None:
             self._warm_up()
         while True:

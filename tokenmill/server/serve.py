@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 import time
 
 import uvicorn
@@ -52,9 +53,24 @@ def uvicorn_config(app, config: ServerConfig, **kwargs) -> uvicorn.Config:
 
 
 def serve(llm: LLM, config: ServerConfig) -> None:
-    """Serve a loaded model until SIGTERM/SIGINT."""
+    """Serve a loaded model until SIGTERM/SIGINT: the engine steps in this (the main) thread, where
+    the model was loaded, and uvicorn serves HTTP from a second thread (why: AsyncEngine's
+    docstring). Signals arrive in the main thread and go to the server's drain logic."""
     state = create_state(llm, config)
-    sys.setswitchinterval(0.001)  # the engine thread holds the GIL in its Python parts; hand it over sooner
+    sys.setswitchinterval(0.001)  # the engine holds the GIL in its Python parts; hand it over sooner
     uv = uvicorn_config(build_app(state), config, log_level="info", timeout_graceful_shutdown=5)
+    server = DrainingServer(uv, state)
     logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
-    DrainingServer(uv, state).run()
+
+    def serve_http() -> None:
+        try:
+            server.run()  # the lifespan's engine.start() is a no-op, its engine.stop() ends run_here()
+        finally:
+            state.engine.stop(timeout=0)  # also when uvicorn fails to start (port taken, ...)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.handle_exit)
+    http = threading.Thread(target=serve_http, name="tokenmill-http")
+    http.start()
+    state.engine.run_here()
+    http.join()

@@ -162,3 +162,41 @@ def test_cli_rejects_a_bad_smoothing_alpha(tmp_path, capsys):
     src = write_tiny_checkpoint(tmp_path / "src")
     assert main(["quantize", str(src), "--method", "w8a8", "--smoothing-alpha", "lots", "--out", str(tmp_path / "q")]) == 2
     assert "--smoothing-alpha" in capsys.readouterr().err
+
+
+def test_cli_quantize_ends_with_the_quality_line(tmp_path, capsys):
+    """Every quantize run ends with perplexity before and after on held-out text (the start of
+    --eval-data here, of the corpus by default); no warning within the budget."""
+    from tokenmill.cli import main
+
+    src = write_tiny_checkpoint(tmp_path / "src")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    assert main(["quantize", str(src), "--method", "int8", "--out", str(tmp_path / "q"), "--dtype", "float32",
+                 "--eval-data", str(text), "--quality-tokens", "200", "--quality-budget", "5"]) == 0
+    out, err = capsys.readouterr()
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("quality: perplexity on 200 held-out tokens ") and "(int8, float32)" in line, line
+    before, after = float(line.split(" tokens ")[1].split()[0]), float(line.split("-> ")[1].split()[0])
+    assert before > 1 and after > 1 and "budget +500%" in line
+    assert "warning" not in err
+
+
+@pytest.mark.parametrize("after,warns", [(10.5, False), (11.0, True)])
+def test_quality_check_warns_above_its_budget(monkeypatch, capsys, after, warns):
+    import argparse
+
+    from tokenmill.commands.quantize import QualityCheck
+    from tokenmill.quantization.config import Int4WeightOnlyConfig
+
+    figures = iter([10.0, after])
+    monkeypatch.setattr(QualityCheck, "_perplexity", lambda self, model: next(figures))
+    check = QualityCheck.__new__(QualityCheck)
+    check.budget, check.ids, check.before = 0.08, list(range(64)), check._perplexity(None)
+    loaded = argparse.Namespace(model=torch.nn.Module())
+    loaded.model.embed = torch.nn.Embedding(2, 2).to(torch.bfloat16)
+    change = check.report(loaded, Int4WeightOnlyConfig())
+    out, err = capsys.readouterr()
+    assert change == pytest.approx(after / 10.0 - 1)
+    assert f"10.000 (float32 source) -> {after:.3f} (int4, bfloat16): {change:+.2%} (budget +8%)" in out
+    assert ("warning: quantizing raised perplexity by" in err) == warns

@@ -144,7 +144,8 @@ class QualityCheck:
     def _perplexity(self, model) -> float:
         from tokenmill.eval.perplexity import perplexity
 
-        return perplexity(model, self.ids, min(self.CONTEXT, len(self.ids)), self.STRIDE, progress=False).perplexity
+        context = min(self.CONTEXT, len(self.ids))
+        return perplexity(model, self.ids, context, min(self.STRIDE, context), progress=False).perplexity
 
     def report(self, loaded, config) -> float:
         """Print the quality line (and the warning): -> the relative change."""

@@ -147,6 +147,7 @@ def test_run_here_steps_in_the_calling_thread_until_stop(tiny_llm) -> None:
             time.sleep(0.01)
         asyncio.run(main())
 
+    engine.will_run_here()
     try:
         http = threading.Thread(target=http_side, name="http-side")
         http.start()

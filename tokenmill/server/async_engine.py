@@ -90,15 +90,24 @@ class AsyncEngine:
 
     # ---- event-loop side ------------------------------------------------------------------------
     def start(self) -> None:
-        """Step the engine in a thread of its own; a no-op once :meth:`run_here` drives it."""
+        """Step the engine in a thread of its own; a no-op after :meth:`will_run_here`."""
         if not self._driven_here:
             self._thread.start()
 
+    def will_run_here(self) -> None:
+        """Announce that :meth:`run_here` will step the engine: from now on ``start()`` (the app's
+        lifespan) does nothing. Call it before the app can start, so that no thread of its own
+        ever steps the engine beside ``run_here``."""
+        if self._thread.is_alive():
+            raise RuntimeError("the engine already steps in its own thread")
+        self._driven_here = True
+
     def run_here(self) -> None:
         """Step the engine in the calling thread until :meth:`stop` (``tokenmill serve`` calls it
-        from the main thread, where the model was loaded; see the module docstring). The app's
-        lifespan ``start()`` is then a no-op and its ``stop()`` ends this call."""
-        self._driven_here = True
+        from the main thread, where the model was loaded; see the module docstring), after
+        :meth:`will_run_here`. The app's lifespan ``stop()`` ends this call."""
+        if not self._driven_here:
+            raise RuntimeError("call will_run_here() before the app starts, then run_here()")
         self._run()
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -70,6 +70,7 @@ def serve(llm: LLM, config: ServerConfig) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)
+    state.engine.will_run_here()  # before uvicorn runs the lifespan: its engine.start() is then a no-op
     http = threading.Thread(target=serve_http, name="tokenmill-http")
     http.start()
     state.engine.run_here()

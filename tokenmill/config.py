@@ -43,8 +43,9 @@ class LoadConfig(Config):
         None, "model name, GGUF file, HF or tokenmill-quantized directory, or HF hub repo id "
         "(default: smollm2-135m-instruct)", short="-m")
     dtype: str = option(
-        "auto", "compute dtype: auto (float32 on CPU and bfloat16 on CUDA; for quantize, bfloat16), float32, "
-        "bfloat16 or float16 (CUDA)")
+        "auto", "compute dtype: auto (a GGUF file on CPU: its quantized weights as stored, bfloat16 "
+        "activations; else float32 on CPU and bfloat16 on CUDA; for quantize, bfloat16), float32, bfloat16 or "
+        "float16 (CUDA); an explicit dtype loads a GGUF file dequantized to it")
     device: str = option("auto", "auto, cpu or cuda")
     cache_dir: str | None = option(
         None, "where fetched models and tokenizers are kept (default: $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill)")

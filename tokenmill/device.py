@@ -25,7 +25,10 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is float32 on CPU and bfloat16 on CUDA; float16 runs on CUDA only."""
+    """'auto' is float32 on CPU and bfloat16 on CUDA; float16 runs on CUDA only.
+
+    (One exception, decided by ``tokenmill.loader.load_model``, which knows the model and the
+    kernels: a GGUF file with 'auto' on CPU runs its quantized weights natively, in bfloat16.)"""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):

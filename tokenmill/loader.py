@@ -2,17 +2,21 @@
 
     model argument   name, GGUF file, HF directory, hub repo id (loading/sources.py), or a
                      ModelSource already resolved
-    device, dtype    "auto" and names resolved as everywhere (tokenmill/device.py)
+    device, dtype    "auto" and names resolved as everywhere (tokenmill/device.py), except below
     dispatch         a directory written by ``tokenmill quantize`` (``quantization_config`` in its
-                     config.json) -> tokenmill.quantization.checkpoint.load_quantized; anything
-                     else -> tokenmill.models.builder.load_float_model
+                     config.json) -> tokenmill.quantization.checkpoint.load_quantized;
+                     a GGUF file with dtype "auto" on CPU where the grouped kernels run ->
+                     tokenmill.quantization.gguf_native.load_gguf_native: its quantized linears as
+                     stored, bfloat16 activations; anything else (an explicit dtype asks for the
+                     dequantized model) -> tokenmill.models.builder.load_float_model
 
 This is the facade layer: it sits above the quantization package, which is what lets it load
-both kinds of checkpoint while models/ and loading/ know nothing of quantization.
+every kind of checkpoint while models/ and loading/ know nothing of quantization.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -25,14 +29,20 @@ from tokenmill.models.builder import LoadedModel, load_float_model
 from tokenmill.paths import default_cache_dir
 from tokenmill.quantization.checkpoint import load_quantized
 from tokenmill.quantization.config import quantization_config_of
+from tokenmill.quantization.gguf_native import ACTIVATION_DTYPE, load_gguf_native, native_unavailable
+
+logger = logging.getLogger("tokenmill.loading")
 
 
 def load_model(model: str | os.PathLike | ModelSource | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "auto", cache_dir: str | os.PathLike | None = None) -> LoadedModel:
     """Load ``model`` (default: the default model) in ``dtype`` on ``device``.
 
-    ``dtype`` "auto": float32 on CPU, bfloat16 on CUDA. ``cache_dir``: where named models, hub
-    snapshots and GGUF tokenizers are cached (default ``~/.cache/tokenmill``)."""
+    ``dtype`` "auto": a GGUF file on CPU runs its quantized weights natively with bfloat16
+    activations where tokenmill's CPU kernels have their fast path (else, logged, it is
+    dequantized to float32); anything else is float32 on CPU, bfloat16 on CUDA. An explicit
+    dtype loads a GGUF file dequantized to it. ``cache_dir``: where named models, hub snapshots
+    and GGUF tokenizers are cached (default ``~/.cache/tokenmill``)."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
@@ -40,4 +50,16 @@ def load_model(model: str | os.PathLike | ModelSource | None = None, dtype: str 
     if source.format == "hf" and quantization_config_of(source.path) is not None:
         quantized, config = load_quantized(source.path, resolved_dtype, resolved_device)
         return LoadedModel(quantized, config, Tokenizer.from_hf_dir(source.path), source)
+    if source.format == "gguf":
+        why = native_unavailable(resolved_device) if _is_auto(dtype) else "an explicit dtype asks for that"
+        if why is None:
+            logger.info("GGUF %s: quantized weights run natively, %s activations", source.path.name,
+                        str(ACTIVATION_DTYPE).removeprefix("torch."))
+            return load_gguf_native(source, ACTIVATION_DTYPE, resolved_device, cache_dir=cache)
+        logger.info("GGUF %s: quantized weights dequantized to %s (%s)", source.path.name,
+                    str(resolved_dtype).removeprefix("torch."), why)
     return load_float_model(source, resolved_dtype, resolved_device, cache_dir=cache)
+
+
+def _is_auto(dtype: str | torch.dtype) -> bool:
+    return isinstance(dtype, str) and dtype == "auto"

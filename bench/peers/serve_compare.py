@@ -2,7 +2,7 @@
 the same workload, at rising concurrency, in one run; prints the ratio table.
 
     python bench/peers/serve_compare.py [--concurrencies 1,4,16,64] [--input-len 256] [--output-len 128]
-                                        [--rounds 2] [--min-requests 16] [--dtype bfloat16] [--engines tokenmill,llama.cpp]
+                                        [--rounds 2] [--min-requests 16] [--dtype auto] [--engines tokenmill,llama.cpp]
 
 The servers run one at a time (never both: they would share the cores), each on a free local
 port, and are stopped after their sweep; their logs go beside the results. llama-server is built
@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--slots", type=int, default=None,
                         help="tokenmill --max-num-seqs and llama-server -np (default: the highest concurrency)")
-    parser.add_argument("--dtype", default="bfloat16", help="tokenmill's dtype (bfloat16: its fastest on CPU)")
+    parser.add_argument("--dtype", default="auto", help="tokenmill's --dtype (auto, its default: a GGUF runs as stored)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds a server may take to come up")

@@ -28,6 +28,25 @@ def test_spec_invariants():
         spec.kind = LinearKind.INT8  # frozen
 
 
+def test_grouped_spec_invariants():
+    w = torch.zeros(1, 16, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="scales"):
+        CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="group_size"):
+        CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w, bits=4)
+    with pytest.raises(ValueError, match="group_size"):
+        CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w, group_size=48,
+                      bits=4)
+    for bits in (0, 5, 16):
+        with pytest.raises(ValueError, match="bits 4 or 8"):
+            CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w,
+                          group_size=32, bits=bits)
+    spec = CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w,
+                         group_size=32, bits=8)
+    assert spec.bits == 8 and CpuLinearSpec(kind=LinearKind.DENSE, weight=w, out_features=16,
+                                            in_features=64).bits == 0
+
+
 def test_int8_linear_describes_itself():
     lin = Int8Linear.from_float(torch.randn(32, 48), torch.randn(32), torch.float32)
     spec = lin.cpu_kernel_spec()
@@ -63,6 +82,8 @@ def test_native_linear_takes_named_members_and_keywords_only():
         ops.Linear(ops.LinearKind.INT8, w, 16, 32, s)  # positional
     with pytest.raises(RuntimeError, match="scales"):
         ops.Linear(kind=ops.LinearKind.INT4, weight=w, out_features=16, in_features=32, group_size=32)
+    with pytest.raises(TypeError):  # bits is a keyword too
+        ops.Linear(ops.LinearKind.GROUPED, w, 16, 32, s, None, 32, 4)
     with pytest.raises(TypeError):
         ops.int8_weight_linear(torch.zeros(1, 32), w, s, True)  # the kernel path is keyword-only
 

@@ -27,39 +27,48 @@ class LinearKind(enum.Enum):
     """``int8_weight_linear``: weight int8 [N, K], scales [N] in the model dtype."""
     INT4 = enum.auto()
     """``int4_weight_linear``: weight and scales in ``int4_cpu_pack``'s layout (N rounded up to 16)."""
+    GROUPED = enum.auto()
+    """``group_weight_linear``: grouped codes (w = code * scale + min, GGUF's types), weight and
+    (scale, min) in ``group_cpu_pack``'s layout (N rounded up to 16), ``bits`` 4 or 8."""
 
 
 @dataclass(frozen=True, eq=False)
 class CpuLinearSpec:
     """One linear layer for the CPU kernels: y = x W^T (+ bias), x [M, in_features] -> [M, out_features].
 
-    Invariants: INT8 and INT4 have ``scales``; INT4 has ``group_size > 0`` dividing
-    ``in_features``. The tensors are the layer's own (no copies): a spec is valid while the layer
-    is unchanged."""
+    Invariants: INT8, INT4 and GROUPED have ``scales``; INT4 and GROUPED have ``group_size > 0``
+    dividing ``in_features``; GROUPED has ``bits`` 4 or 8. The tensors are the layer's own (no
+    copies): a spec is valid while the layer is unchanged."""
 
     kind: LinearKind
     weight: torch.Tensor
     """In the layout ``kind`` names."""
     out_features: int
-    """The layer's output columns (INT4: the kernel's padded rows are cut to these)."""
+    """The layer's output columns (INT4, GROUPED: the kernel's padded rows are cut to these)."""
     in_features: int
-    """Input columns the kernel takes: the layer's, or for INT4 rounded up to whole groups (the
-    input is zero-padded up to them)."""
+    """Input columns the kernel takes: the layer's, or for INT4 and GROUPED rounded up to whole
+    groups (the input is zero-padded up to them)."""
     scales: torch.Tensor | None = None
-    """INT8: [N]; INT4: scales and zeros in ``int4_cpu_pack``'s layout; else None."""
+    """INT8: [N]; INT4: scales and zeros in ``int4_cpu_pack``'s layout; GROUPED: scales and mins in
+    ``group_cpu_pack``'s; else None."""
     bias: torch.Tensor | None = None
     group_size: int = 0
-    """INT4: input columns per (scale, zero); else 0."""
+    """INT4, GROUPED: input columns per (scale, zero / min); else 0."""
+    bits: int = 0
+    """GROUPED: bits per code, 4 (codes 0..15) or 8 (codes 0..255); else 0."""
 
     def __post_init__(self) -> None:
-        if self.kind in (LinearKind.INT8, LinearKind.INT4) and self.scales is None:
+        if self.kind in (LinearKind.INT8, LinearKind.INT4, LinearKind.GROUPED) and self.scales is None:
             raise ValueError(f"{self.kind.name} needs its scales")
-        if self.kind is LinearKind.INT4 and (self.group_size <= 0 or self.in_features % self.group_size):
-            raise ValueError(f"INT4 needs group_size > 0 dividing in_features, got {self.group_size}, "
+        if self.kind in (LinearKind.INT4, LinearKind.GROUPED) and (
+                self.group_size <= 0 or self.in_features % self.group_size):
+            raise ValueError(f"{self.kind.name} needs group_size > 0 dividing in_features, got {self.group_size}, "
                              f"{self.in_features}")
+        if self.kind is LinearKind.GROUPED and self.bits not in (4, 8):
+            raise ValueError(f"GROUPED needs bits 4 or 8, got {self.bits}")
 
     def native(self, ops: ModuleType):
         """This spec as the compiled module ``ops``' ``Linear``, for ``DecodeStack.add_layer``."""
         return ops.Linear(kind=ops.LinearKind[self.kind.name], weight=self.weight, out_features=self.out_features,
                           in_features=self.in_features, scales=self.scales, bias=self.bias,
-                          group_size=self.group_size)
+                          group_size=self.group_size, bits=self.bits)

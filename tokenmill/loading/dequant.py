@@ -65,18 +65,23 @@ def _as_float(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.clone() if dtype == torch.float32 else out
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].view(torch.int8).float() * _f16(b[:, :2])
+# --------------------------------------------------------------------------- field extraction
+# The unsigned codes and the per-block (or per-sub-block) fields of the types ``gguf_groups``
+# also reads: the decoders below and the grouped form share them.
+
+def q8_0_fields(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (q int8 (n, 32), d (n, 1))."""
+    return b[:, 2:].view(torch.int8), _f16(b[:, :2])
 
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 2:]).flatten(1).view(torch.int8) - 8
-    return _f16(b[:, :2]) * q.float()
+def q4_0_fields(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (nibbles uint8 (n, 32) in 0..15, d (n, 1))."""
+    return _nibbles(b[:, 2:]).flatten(1), _f16(b[:, :2])
 
 
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 4:]).flatten(1).float()
-    return q.mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+def q4_1_fields(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (nibbles uint8 (n, 32), d (n, 1), m (n, 1))."""
+    return _nibbles(b[:, 4:]).flatten(1), _f16(b[:, :2]), _f16(b[:, 2:4])
 
 
 def _q5_high_bits(qh: torch.Tensor) -> torch.Tensor:
@@ -84,14 +89,82 @@ def _q5_high_bits(qh: torch.Tensor) -> torch.Tensor:
     return (_crumbs(qh, 1).transpose(1, 2).flatten(1)) << 4
 
 
+def q5_0_fields(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (codes uint8 (n, 32) in 0..31, d (n, 1))."""
+    return _nibbles(b[:, 6:]).flatten(1) | _q5_high_bits(b[:, 2:6]), _f16(b[:, :2])
+
+
+def q5_1_fields(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (codes uint8 (n, 32) in 0..31, d (n, 1), m (n, 1))."""
+    return _nibbles(b[:, 8:]).flatten(1) | _q5_high_bits(b[:, 4:8]), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K 12 scale bytes -> 8 six-bit scales and 8 six-bit mins (as float32)::
+
+    bytes 0-3 : EEAAAAAA  scale j (j<4) = low 6 bits; its top 2 bits feed scale j+4
+    bytes 4-7 : eeaaaaaa  min j (j<4)   = low 6 bits; its top 2 bits feed min j+4
+    bytes 8-11: mmmmssss  scale j+4 = ssss | EE<<4, min j+4 = mmmm | ee<<4
+    """
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=1)
+    return sc.float(), mn.float()
+
+
+def k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K sub-block parameters: (d * sc, dmin * m), each float32 (n, 8), as gguf.quants
+    computes them (both products exact: an 11-bit half times a 6-bit integer)."""
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return _f16(b[:, :2]) * sc, _f16(b[:, 2:4]) * mn
+
+
+def q4_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """-> uint8 (n, 8, 32) in 0..15, sub-block j's 32 codes in row j."""
+    return _nibbles(b[:, 16:144].reshape(b.shape[0], 4, 32)).reshape(b.shape[0], 8, 32)
+
+
+def q5_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """-> uint8 (n, 8, 32) in 0..31."""
+    n = b.shape[0]
+    low = _nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
+    return low | (_crumbs(b[:, 16:48], 1) << 4)
+
+
+def q6_k_fields(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (codes uint8 (n, 16, 16) in 0..63, d * scale float32 (n, 16)). Each 128-element half:
+    ql 64B gives the low nibbles, qh 32B the 2-bit high parts; the scales are int8."""
+    n = b.shape[0]
+    low = _nibbles(b[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
+    high = _crumbs(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 8, 32)
+    return (low | (high << 4)).view(n, 16, 16), _f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()
+
+
+# --------------------------------------------------------------------------- decoders
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    q, d = q8_0_fields(b)
+    return q.float() * d
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q, d = q4_0_fields(b)
+    return d * (q.view(torch.int8) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    q, d, m = q4_1_fields(b)
+    return q.float().mul_(d).add_(m)
+
+
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    q = (_nibbles(b[:, 6:]).flatten(1) | _q5_high_bits(b[:, 2:6])).view(torch.int8) - 16
-    return _f16(b[:, :2]) * q.float()
+    q, d = q5_0_fields(b)
+    return d * (q.view(torch.int8) - 16).float()
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    q = (_nibbles(b[:, 8:]).flatten(1) | _q5_high_bits(b[:, 4:8])).float()
-    return q.mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+    q, d, m = q5_1_fields(b)
+    return q.float().mul_(d).add_(m)
 
 
 def _q8_k(b: torch.Tensor) -> torch.Tensor:
@@ -127,50 +200,25 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).view(n, QK_K)
 
 
-def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K 12 scale bytes -> 8 six-bit scales and 8 six-bit mins (as float32)::
-
-    bytes 0-3 : EEAAAAAA  scale j (j<4) = low 6 bits; its top 2 bits feed scale j+4
-    bytes 4-7 : eeaaaaaa  min j (j<4)   = low 6 bits; its top 2 bits feed min j+4
-    bytes 8-11: mmmmssss  scale j+4 = ssss | EE<<4, min j+4 = mmmm | ee<<4
-    """
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=1)
-    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=1)
-    return sc.float(), mn.float()
-
-
 def _k_affine(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Apply Q4_K/Q5_K block scales to ``q`` of shape ``(n, 8, 32)``: ``(d*sc)*q - dmin*m``."""
     n = b.shape[0]
-    sc, mn = _k_scale_min(b[:, 4:16])
-    d = (_f16(b[:, :2]) * sc).view(n, 8, 1)
-    dm = (_f16(b[:, 2:4]) * mn).view(n, 8, 1)
-    return q.float().mul_(d).sub_(dm).view(n, QK_K)
+    d, dm = k_scales(b)
+    return q.float().mul_(d.view(n, 8, 1)).sub_(dm.view(n, 8, 1)).view(n, QK_K)
 
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
-    q = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
-    return _k_affine(b, q)
+    return _k_affine(b, q4_k_codes(b))
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
-    low = _nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
-    high = _crumbs(b[:, 16:48], 1)
-    return _k_affine(b, low | (high << 4))
+    return _k_affine(b, q5_k_codes(b))
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
-    """Each 128-element half: ql 64B gives low nibbles, qh 32B gives 2-bit high parts."""
     n = b.shape[0]
-    low = _nibbles(b[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
-    high = _crumbs(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 8, 32)
-    q = ((low | (high << 4)).view(torch.int8) - 32).view(n, 16, 16).float()
-    scales = b[:, 192:208].view(torch.int8).float()
-    d = (_f16(b[:, 208:210]) * scales).view(n, 16, 1)
-    return (d * q).view(n, QK_K)
+    q, d = q6_k_fields(b)
+    return (d.view(n, 16, 1) * (q.view(torch.int8) - 32).float()).view(n, QK_K)
 
 
 _BLOCK_DECODERS: dict[Q, Decoder] = {
@@ -188,7 +236,8 @@ _BLOCK_DECODERS: dict[Q, Decoder] = {
 }
 _FLOAT_TYPES: dict[Q, torch.dtype] = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
-SUPPORTED_TYPES: frozenset[Q] = frozenset(_BLOCK_DECODERS) | frozenset(_FLOAT_TYPES)
+FLOAT_TYPES: frozenset[Q] = frozenset(_FLOAT_TYPES)
+SUPPORTED_TYPES: frozenset[Q] = frozenset(_BLOCK_DECODERS) | FLOAT_TYPES
 
 
 def packed_nbytes(qtype: Q, shape: tuple[int, ...], *, name: str = "tensor") -> int:
@@ -212,14 +261,19 @@ def dequantize(raw: torch.Tensor, qtype: Q, shape: tuple[int, ...], *, name: str
         raise UnsupportedModelError(
             f"{name}: quantization type {Q(qtype).name} is not supported (supported: {supported})"
         )
+    raw = checked_bytes(raw, qtype, shape, name=name)
+    if qtype in _FLOAT_TYPES:
+        return _as_float(raw, _FLOAT_TYPES[qtype]).view(shape)
+    return _BLOCK_DECODERS[qtype](raw.view(-1, GGML_QUANT_SIZES[qtype][1])).view(shape)
+
+
+def checked_bytes(raw: torch.Tensor, qtype: Q, shape: tuple[int, ...], *, name: str = "tensor") -> torch.Tensor:
+    """``raw`` flattened, once checked to be uint8 holding exactly the bytes of a ``qtype`` tensor of
+    ``shape`` (ModelFormatError otherwise)."""
     expected = packed_nbytes(qtype, shape, name=name)
     if raw.dtype != torch.uint8 or raw.numel() != expected:
         raise ModelFormatError(
             f"{name}: expected {expected} bytes of {qtype.name} data for shape {tuple(shape)}, "
             f"got {raw.numel()} elements of {raw.dtype}"
         )
-    raw = raw.reshape(-1)
-    if qtype in _FLOAT_TYPES:
-        return _as_float(raw, _FLOAT_TYPES[qtype]).view(shape)
-    type_size = GGML_QUANT_SIZES[qtype][1]
-    return _BLOCK_DECODERS[qtype](raw.view(-1, type_size)).view(shape)
+    return raw.reshape(-1)

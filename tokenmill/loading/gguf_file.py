@@ -1,4 +1,4 @@
-"""Read a GGUF model file: metadata, tensor directory, and dequantized tensors.
+"""Read a GGUF model file: metadata, tensor directory, and tensors dequantized or in grouped form.
 
 File layout (GGUF v2/v3, little-endian)::
 
@@ -32,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 
 from tokenmill.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from tokenmill.loading.dequant import SUPPORTED_TYPES, dequantize, packed_nbytes
+from tokenmill.loading.gguf_groups import GroupedWeight, gguf_groups
 
 _SUPPORTED_VERSIONS = (2, 3)
 _MAX_DIMS = 4
@@ -186,6 +187,12 @@ class GGUFFile:
         if entry.qtype not in SUPPORTED_TYPES:
             raise UnsupportedModelError(f"{label} has unsupported quantization type {entry.qtype.name}")
         return dequantize(self._bytes(entry), entry.qtype, entry.shape, name=label).to(dtype)
+
+    def load_grouped(self, name: str) -> GroupedWeight:
+        """Tensor ``name`` (2-D, of a type in ``gguf_groups.NATIVE_TYPES``) as codes, scales and mins,
+        exactly the file's weights (``gguf_groups``), in PyTorch order."""
+        entry = self._entry(name)
+        return gguf_groups(self._bytes(entry), entry.qtype, entry.shape, name=f"{self.path}: tensor {name!r}")
 
     def close(self) -> None:
         self._map.close()

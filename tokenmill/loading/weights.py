@@ -62,9 +62,11 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-_FUSED = {"attn.q": ("attn.qkv", 0), "attn.k": ("attn.qkv", 1), "attn.v": ("attn.qkv", 2),
-          "mlp.gate": ("mlp.gate_up", 0), "mlp.up": ("mlp.gate_up", 1)}
-_FUSED_PARTS = {"attn.qkv": 3, "mlp.gate_up": 2}
+FUSED_INTO = {"attn.q": ("attn.qkv", 0), "attn.k": ("attn.qkv", 1), "attn.v": ("attn.qkv", 2),
+              "mlp.gate": ("mlp.gate_up", 0), "mlp.up": ("mlp.gate_up", 1)}
+"""Unfused projection -> (the fused module it joins, its place in that module's rows)."""
+FUSED_PARTS = {"attn.qkv": 3, "mlp.gate_up": 2}
+"""Fused module -> how many projections it joins."""
 
 
 def fuse(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -77,10 +79,10 @@ def fuse(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, tor
             yield name, tensor
             continue
         prefix, part, kind = m.groups()
-        fused, index = _FUSED[part]
+        fused, index = FUSED_INTO[part]
         key = f"{prefix}.{fused}.{kind}"
         pending.setdefault(key, {})[index] = tensor
-        if len(pending[key]) == _FUSED_PARTS[fused]:
+        if len(pending[key]) == FUSED_PARTS[fused]:
             parts = pending.pop(key)
             yield key, torch.cat([parts[i] for i in range(len(parts))], dim=0)
     if pending:

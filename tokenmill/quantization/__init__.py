@@ -11,6 +11,7 @@ _EXPORTS = {
     "CONFIG_CLASSES": "config", "Int4GPTQConfig": "config", "Int4WeightOnlyConfig": "config",
     "Int8WeightOnlyConfig": "config", "QuantConfig": "config", "W8A8Config": "config",
     "config_from_dict": "config",
+    "GroupedLinear": "grouped", "load_gguf_native": "gguf_native",
 }
 __all__ = list(_EXPORTS)
 

@@ -11,6 +11,9 @@ q in 0..15 and one (scale, zero) per group of ``group_size`` input columns; the 
 repacked once into each device's own layout (``_convert_weight_to_int4pack_for_cpu`` /
 ``_convert_weight_to_int4pack``) and multiplied by ``_weight_int4pack_mm_for_cpu`` /
 ``_weight_int4pack_mm`` with ``scales_and_zeros [K / group_size, N, 2]``.
+Grouped codes (GGUF's Q4_0 .. Q8_0 and K-quants, ``w = code * scale + min``, bits 4 or 8): on CPU
+tokenmill's ``group_weight_linear`` (tokenmill/kernels/cpu/group_linear.cpp, layout built by
+:func:`group_cpu_pack`), the same kernel as INT4's.
 W8A8: ``torch._int_mm(x_int8 [M, K], w_int8 [N, K].t())`` -> int32 [M, N]. On CPU it is oneDNN's
 s8 x s8 -> s32 GEMM (about 3.5x the float32 matmul at M = 512, K = 576, N = 1536 on one thread) and
 takes any M, K, N and unaligned inputs. On CUDA (cuBLASLt) it needs M > 16 and K, N multiples of 8: fewer rows are
@@ -92,15 +95,80 @@ def int4_weight_mm(x: torch.Tensor, kernel_weight: torch.Tensor, group_size: int
     return torch._weight_int4pack_mm_for_cpu(x, kernel_weight, group_size, scales_and_zeros)
 
 
+def _nibble_tiles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, Kp] in 0..15 (N % 16 == 0, Kp % 4 == 0) -> [N / 16, Kp / 4, 32], chunk c of a
+    16-row tile holding byte 2r + j = q[r, 4c + j] | q[r, 4c + 2 + j] << 4."""
+    n = q.shape[0]
+    q = q.view(n // 16, 16, -1, 2, 2)  # tile, row, chunk, (low | high nibble), j
+    return (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // 16, -1, 32).contiguous()
+
+
+def _tile_scales(scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scale and zero / min [N, G] -> [N / 16, G, 2, 16] in ``dtype``."""
+    n = scale.shape[0]
+    return torch.stack((scale, offset)).to(dtype).view(2, n // 16, 16, -1).permute(1, 3, 0, 2).contiguous()
+
+
 def int4_cpu_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Portable nibbles uint8 [N, Kp / 2], scale and zero [N, G] (N % 16 == 0) -> the layout of
     tokenmill's CPU kernel: weights uint8 [N / 16, Kp / 4, 32], where chunk c of a 16-row tile holds
     byte 2r + j = q[r, 4c + j] | q[r, 4c + 2 + j] << 4, and scales/zeros [N / 16, G, 2, 16]
     (bfloat16 kept as is, any other dtype as float32)."""
-    n = packed.shape[0]
-    q = unpack_nibbles(packed).to(torch.uint8)  # [N, Kp]
-    q = q.view(n // 16, 16, -1, 2, 2)  # tile, row, chunk, (low | high nibble), j
-    weight = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // 16, -1, 32).contiguous()
+    weight = _nibble_tiles(unpack_nibbles(packed).to(torch.uint8))
     dtype = scale.dtype if scale.dtype == torch.bfloat16 else torch.float32
-    sz = torch.stack((scale, zero)).to(dtype).view(2, n // 16, 16, -1).permute(1, 3, 0, 2).contiguous()
-    return weight, sz
+    return weight, _tile_scales(scale, zero, dtype)
+
+
+GROUP_BITS = {4: (4, 15), 8: (2, 255)}
+"""bits -> (input columns per 32-byte chunk of a 16-row tile, largest code)."""
+
+
+def group_cpu_pack(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
+                   bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped codes, ``w[n, k] = codes[n, k] * scale[n, g] + min[n, g]`` with g = k // group_size and
+    group_size = K // G (the GGUF types Q4_0 .. Q8_0, Q4_K .. Q6_K, exactly), into the layout of
+    tokenmill's CPU kernel ``group_weight_linear``:
+
+        codes uint8 [N, K], scale and min float32 [N, G]; N % 16 == 0 (pad rows with code 0, scale 0,
+        min 0), K a whole number of groups
+        bits 4: codes 0..15 -> packed uint8 [N / 16, K / 4, 32], int4_cpu_pack's nibble tiles
+                (group_size % 4 == 0)
+        bits 8: codes 0..255 -> packed uint8 [N / 16, K / 2, 32], chunk c of a 16-row tile holding
+                byte 2r + j = codes[r, 2c + j] (group_size % 2 == 0)
+        sz float32 [N / 16, G, 2, 16]: (scale, min) of each group of a tile's 16 rows
+
+    Returns (packed, sz) for :func:`group_weight_mm`."""
+    if bits not in GROUP_BITS:
+        raise ValueError(f"group_cpu_pack: bits must be 4 or 8, got {bits}")
+    per_chunk, largest = GROUP_BITS[bits]
+    if codes.dim() != 2 or codes.dtype != torch.uint8:
+        raise ValueError(f"group_cpu_pack: codes must be uint8 [N, K], got {codes.dtype} {tuple(codes.shape)}")
+    n, k = codes.shape
+    if scale.dim() != 2 or scale.shape != min.shape or scale.shape[0] != n or scale.shape[1] == 0:
+        raise ValueError(f"group_cpu_pack: scale and min must both be [N, G] with N = {n}, got "
+                         f"{tuple(scale.shape)} and {tuple(min.shape)}")
+    groups = scale.shape[1]
+    if n % 16:
+        raise ValueError(f"group_cpu_pack: N = {n} must be a multiple of 16 (pad rows with code 0, scale 0, min 0)")
+    if k % groups or (k // groups) % per_chunk:
+        raise ValueError(f"group_cpu_pack: K = {k} must be G = {groups} groups of a multiple of {per_chunk} "
+                         f"columns for bits {bits}")
+    if codes.numel() and int(codes.max()) > largest:
+        raise ValueError(f"group_cpu_pack: bits {bits} codes must be in 0..{largest}, got {int(codes.max())}")
+    if bits == 4:
+        weight = _nibble_tiles(codes.contiguous())
+    else:
+        weight = codes.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
+        weight = weight.contiguous()
+    return weight, _tile_scales(scale, min, torch.float32)
+
+
+def group_weight_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int,
+                    bits: int) -> torch.Tensor:
+    """x [M, K] float32 or bfloat16 on CPU -> x @ w^T [M, N] in x's dtype, w the grouped codes that
+    :func:`group_cpu_pack` packed into (packed, sz); tokenmill's ``group_weight_linear``."""
+    ops = dispatch.cpu_ops()
+    if ops is None:
+        raise RuntimeError("group_weight_mm needs tokenmill's CPU kernels, which are off or could not be built "
+                           f"({dispatch.ENV_VAR}; see the tokenmill.kernels log)")
+    return ops.group_weight_linear(x, packed, sz, group_size, bits)

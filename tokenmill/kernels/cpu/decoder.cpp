@@ -206,30 +206,37 @@ enum class LinearKind {
   Bf16Packed,  // bf16_packed_linear; weight packed by bf16_pack from a bfloat16 [N, K]
   Int8,        // int8_weight_linear; weight int8 [N, K], scales [N] in the model dtype
   Int4,        // int4_weight_linear; weight and scales in int4_cpu_pack's layout, N a multiple of 16
+  Grouped,     // group_weight_linear; weight and (scale, min) in group_cpu_pack's layout, bits 4 or 8
 };
 
 // One linear layer as the model holds it, checked once when the stack is built.
-// Invariants: Int8 and Int4 have scales; Int4 has group_size > 0 and in_features a whole number
-// of groups (the input is zero-padded up to it), and its output is cut to out_features.
+// Invariants: Int8, Int4 and Grouped have scales; Int4 and Grouped have group_size > 0 and
+// in_features a whole number of groups (the input is zero-padded up to it), and their output is cut
+// to out_features; Grouped has bits 4 or 8.
 struct Linear {
   LinearKind kind = LinearKind::Dense;
   torch::Tensor weight, scales, bias;  // scales, bias: undefined when absent
   int64_t out_features = 0;
   int64_t in_features = 0;  // columns the kernel takes: the layer's own, or Int4's padded to whole groups
-  int64_t group_size = 0;   // Int4 only
+  int64_t group_size = 0;   // Int4 and Grouped only
+  int64_t bits = 0;         // Grouped only: 4 or 8
 
   Linear() = default;
   Linear(LinearKind kind_, torch::Tensor weight_, int64_t out_features_, int64_t in_features_,
-         std::optional<torch::Tensor> scales_, std::optional<torch::Tensor> bias_, int64_t group_size_)
+         std::optional<torch::Tensor> scales_, std::optional<torch::Tensor> bias_, int64_t group_size_,
+         int64_t bits_)
       : kind(kind_), weight(std::move(weight_)), scales(scales_ ? *scales_ : torch::Tensor()),
         bias(bias_ ? *bias_ : torch::Tensor()), out_features(out_features_), in_features(in_features_),
-        group_size(group_size_) {
+        group_size(group_size_), bits(bits_) {
+    const bool grouped = kind == LinearKind::Int4 || kind == LinearKind::Grouped;
     TORCH_CHECK(weight.defined() && out_features > 0 && in_features > 0,
                 "Linear: a weight, out_features and in_features are required");
-    TORCH_CHECK((kind != LinearKind::Int8 && kind != LinearKind::Int4) || scales.defined(),
-                "Linear: INT8 and INT4 weights need their scales");
-    TORCH_CHECK(kind != LinearKind::Int4 || (group_size > 0 && in_features % group_size == 0),
-                "Linear: INT4 needs group_size > 0 dividing in_features");
+    TORCH_CHECK((kind != LinearKind::Int8 && !grouped) || scales.defined(),
+                "Linear: INT8, INT4 and GROUPED weights need their scales");
+    TORCH_CHECK(!grouped || (group_size > 0 && in_features % group_size == 0),
+                "Linear: INT4 and GROUPED need group_size > 0 dividing in_features");
+    TORCH_CHECK(kind != LinearKind::Grouped || bits == 4 || bits == 8, "Linear: GROUPED needs bits 4 or 8, got ",
+                bits);
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -242,9 +249,12 @@ struct Linear {
         const auto y = int8_weight_linear(x, weight, scales, KernelPath::Fastest);
         return bias.defined() ? y + bias : y;
       }
-      case LinearKind::Int4: {
+      case LinearKind::Int4:
+      case LinearKind::Grouped: {
         const auto xp = x.size(1) == in_features ? x : at::constant_pad_nd(x, {0, in_features - x.size(1)});
-        auto y = int4_weight_linear(xp, weight, scales, group_size, KernelPath::Fastest);
+        auto y = kind == LinearKind::Int4
+                     ? int4_weight_linear(xp, weight, scales, group_size, KernelPath::Fastest)
+                     : group_weight_linear(xp, weight, scales, group_size, bits, KernelPath::Fastest);
         if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
         return bias.defined() ? y + bias : y;
       }
@@ -353,16 +363,21 @@ void bind_decoder(pybind11::module& m) {
       .value("BF16_PACKED", LinearKind::Bf16Packed, "bf16_packed_linear over a bf16_pack'ed weight")
       .value("INT8", LinearKind::Int8, "int8_weight_linear")
       .value("INT4", LinearKind::Int4, "int4_weight_linear over an int4_cpu_pack'ed weight")
+      .value("GROUPED", LinearKind::Grouped, "group_weight_linear over a group_cpu_pack'ed weight")
       .finalize();
   py::class_<Linear>(m, "Linear", "one linear layer of a DecodeStack")
       .def(py::init<LinearKind, torch::Tensor, int64_t, int64_t, std::optional<torch::Tensor>,
-                    std::optional<torch::Tensor>, int64_t>(),
+                    std::optional<torch::Tensor>, int64_t, int64_t>(),
            py::kw_only(), py::arg("kind"), py::arg("weight"), py::arg("out_features"), py::arg("in_features"),
-           py::arg("scales") = py::none(), py::arg("bias") = py::none(), py::arg("group_size") = 0)
+           py::arg("scales") = py::none(), py::arg("bias") = py::none(), py::arg("group_size") = 0,
+           py::arg("bits") = 0)
+      .def("__call__", &Linear::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"),
+           "y = x W^T (+ bias) [M, out_features], as DecodeStack.run multiplies by this layer")
       .def_property_readonly("kind", [](const Linear& l) { return l.kind; })
       .def_property_readonly("out_features", [](const Linear& l) { return l.out_features; })
       .def_property_readonly("in_features", [](const Linear& l) { return l.in_features; })
-      .def_property_readonly("group_size", [](const Linear& l) { return l.group_size; });
+      .def_property_readonly("group_size", [](const Linear& l) { return l.group_size; })
+      .def_property_readonly("bits", [](const Linear& l) { return l.bits; });
   py::class_<DecodePlan>(m, "DecodePlan", "one attention plan of a decode step (DecodeStack.run)")
       .def(py::init([](torch::Tensor slots, torch::Tensor block_tables, torch::Tensor key_start,
                        torch::Tensor key_end) {

@@ -31,10 +31,19 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache, 
 // int8_linear.cpp
 torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, KernelPath path);
 
-// int4_linear.cpp
+// int4_linear.cpp: tinygemm's int4 convention, w = (q - 8) * scale + zero, on group_linear.cpp's kernel
 bool int4_linear_fast();
 torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size,
                                  KernelPath path);
+
+// group_linear.cpp: grouped codes, w = code * scale + min (GGUF's Q4_0 .. Q8_0, K-quants)
+bool group_linear_fast();
+torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,
+                                  int64_t bits, KernelPath path);
+// The shared kernel, shapes already checked: shift_min true for group_weight_linear (min is the
+// minimum of code * scale + min), false for int4_weight_linear (zero of (q - 8) * scale + zero).
+torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
+                                   int64_t group_size, int64_t bits, bool shift_min, KernelPath path);
 
 // bf16_linear.cpp
 bool bf16_linear_fast();

@@ -1,0 +1,128 @@
+"""The weight-only CPU linears against tokenmill's bfloat16 GEMM, shape by shape and rows by rows.
+
+    python bench/quantized_linear.py [--threads 2] [--rows 1 4 16 64 256 2048] [--mins asymmetric]
+                                     [--group-size 32] [--budget 1.5] [--out bench/results/quantized_linear.json]
+
+Kernels, all on the same shapes with bfloat16 x and bfloat16 out:
+    bf16     bf16_packed_linear (tokenmill/kernels/cpu/bf16_linear.cpp), bfloat16 weights
+    int4     int4_weight_linear, tokenmill's own int4 (w = (q - 8) * scale + zero, bfloat16 scales),
+             on group_linear.cpp's kernel
+    group4   group_weight_linear bits 4 (w = code * scale + min, codes 0..15: Q4_1 / Q4_K)
+    group8   group_weight_linear bits 8 (codes 0..255: Q8_0's layout, Q5 / Q6 codes)
+all with --group-size input columns per group (32: Q4_0 .. Q8_0, Q4_K, Q5_K; 16: Q6_K).
+--mins asymmetric (default): random mins of both signs, the K-quants' and Q4_1's case (the
+many-rows schedule then pays two fmas per group end); symmetric: min = -offset * scale (Q4_0,
+Q8_0: the folded minimum is 0 and its fma skipped).
+
+Shapes: SmolLM2-135M's fused qkv (576 -> 1536 rounded), gate_up (576 -> 3072) and down (1536 ->
+576); Gemma-3-270M-like 640 -> 2048, 2048 -> 640, 1024 -> 640. Weights hot (every kernel's weights
+in cache as far as they fit: the same call repeated), --threads threads, each figure the median of
+repeated timings, the kernels interleaved round by round so that machine noise hits all alike.
+GFLOP/s = 2 M N K / time. Prints a table and writes JSON (bench/results/quantized_linear.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels import dispatch
+from tokenmill.quantization import kernels as qk
+
+RESULTS = Path(__file__).parent / "results"
+SHAPES = [("smollm2 qkv", 576, 1536), ("smollm2 gate_up", 576, 3072), ("smollm2 down", 1536, 576),
+          ("gemma 640->2048", 640, 2048), ("gemma 2048->640", 2048, 640), ("gemma 1024->640", 1024, 640)]
+KERNELS = ["bf16", "int4", "group4", "group8"]
+
+
+def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
+    """One (callable of x) per kernel, over random weights of the same shape."""
+    ops = dispatch.cpu_ops()
+    g = torch.Generator().manual_seed(seed)
+    bf16 = ops.bf16_pack((torch.randn(n, k, generator=g) * k ** -0.5).bfloat16())
+    groups = k // group
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, groups, generator=g) * 0.02).bfloat16()
+    zero = (torch.randn(n, groups, generator=g) * 0.01).bfloat16()
+    int4 = qk.int4_cpu_pack(qk.pack_nibbles(q), scale, zero)
+    grouped = {}
+    for bits, largest, offset in ((4, 15, 8), (8, 255, 128)):
+        codes = torch.randint(0, largest + 1, (n, k), generator=g, dtype=torch.uint8)
+        s = torch.randn(n, groups, generator=g) * 0.01
+        mins = -offset * s if symmetric else torch.randn(n, groups, generator=g) * 0.01 * offset
+        grouped[bits] = qk.group_cpu_pack(codes, s, mins, bits)
+    empty = torch.empty(0)
+    return {
+        "bf16": lambda x: ops.bf16_packed_linear(x, bf16, n, empty),
+        "int4": lambda x: ops.int4_weight_linear(x, int4[0], int4[1], group),
+        "group4": lambda x: ops.group_weight_linear(x, grouped[4][0], grouped[4][1], group, 4),
+        "group8": lambda x: ops.group_weight_linear(x, grouped[8][0], grouped[8][1], group, 8),
+    }
+
+
+def measure(fns: dict, x: torch.Tensor, budget: float, min_rounds: int = 5, max_rounds: int = 2000) -> dict:
+    """Median seconds per call of each fn, interleaved round by round for about ``budget`` s."""
+    for f in fns.values():  # warm: weights into cache, allocations settled
+        f(x), f(x)
+    times = {name: [] for name in fns}
+    start = time.perf_counter()
+    while True:
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f(x)
+            times[name].append(time.perf_counter() - t0)
+        rounds = len(times["bf16"])
+        if rounds >= max_rounds or (rounds >= min_rounds and time.perf_counter() - start > budget):
+            break
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
+    parser.add_argument("--mins", choices=["asymmetric", "symmetric"], default="asymmetric")
+    parser.add_argument("--group-size", type=int, default=32, choices=[16, 32, 64])
+    parser.add_argument("--budget", type=float, default=1.5, help="seconds of timing per (shape, rows)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "quantized_linear.json")
+    args = parser.parse_args()
+    ops = dispatch.cpu_ops()
+    if ops is None or not ops.bf16_linear_fast() or not ops.group_linear_fast():
+        raise SystemExit("needs tokenmill's CPU kernels with their AVX-512 BF16 paths")
+    torch.set_num_threads(args.threads)
+    rows = []
+    header = (f"{'shape':<16} {'K':>5} {'N':>5} {'M':>5} | {'bf16 ms':>8} {'GF/s':>6} | "
+              + " | ".join(f"{k + ' ms':>10} {'GF/s':>5} {'x bf16':>6}" for k in KERNELS[1:]))
+    print(f"{args.threads} threads, group {args.group_size}, {args.mins} mins, weights hot, median per call")
+    print(header)
+    print("-" * len(header))
+    start = time.perf_counter()
+    for i, (name, k, n) in enumerate(SHAPES):
+        fns = weights(n, k, args.group_size, args.mins == "symmetric", seed=i)
+        for m in args.rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+            t = measure(fns, x, args.budget)
+            flop = 2 * m * n * k
+            for kernel in KERNELS:
+                rows.append({"shape": name, "K": k, "N": n, "M": m, "kernel": kernel, "ms": t[kernel] * 1e3,
+                             "gflops": flop / t[kernel] / 1e9, "ratio_to_bf16": t["bf16"] / t[kernel]})
+            print(f"{name:<16} {k:>5} {n:>5} {m:>5} | {t['bf16'] * 1e3:>8.3f} {flop / t['bf16'] / 1e9:>6.0f} | "
+                  + " | ".join(f"{t[kn] * 1e3:>10.3f} {flop / t[kn] / 1e9:>5.0f} {t['bf16'] / t[kn]:>6.2f}"
+                               for kn in KERNELS[1:]), flush=True)
+    elapsed = time.perf_counter() - start
+    result = {"threads": args.threads, "group_size": args.group_size, "mins": args.mins, "x_dtype": "bfloat16",
+              "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+              "seconds": round(elapsed, 1), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out} ({elapsed:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""tokenmill's CPU kernel for grouped codes (group_linear.cpp, w = code * scale + min: the form of
+GGUF's Q4_0 .. Q8_0 and K-quants) against a float64 reference on both paths and both schedules
+(few rows, many rows); batch and thread invariance; group_cpu_pack's layout; bad shapes; the
+decode stack's GROUPED Linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernel_utils import require_kernels
+from tokenmill.kernels import dispatch
+from tokenmill.kernels.linear_spec import CpuLinearSpec, LinearKind
+from tokenmill.quantization import kernels as qk
+
+ops = require_kernels()
+LARGEST = {4: 15, 8: 255}
+
+
+def _weights(n: int, k: int, group_size: int, bits: int, seed: int):
+    """Random codes over the full range, scales and mins of both signs (mins of the size of
+    code * scale, as the K-quants' and Q4_1's are)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, LARGEST[bits] + 1, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.randn(n, k // group_size, generator=g) * 0.02
+    mins = torch.randn(n, k // group_size, generator=g) * 0.02 * LARGEST[bits] / 2
+    return codes, scale, mins
+
+
+def _dequantized(codes, scale, mins, group_size: int) -> torch.Tensor:
+    n, k = codes.shape
+    w = codes.double().view(n, -1, group_size) * scale.double()[..., None] + mins.double()[..., None]
+    return w.view(n, k)
+
+
+def _check(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        # x kept to about 16 bits (bfloat16 high + low parts: |x - h - l| <= 2^-18 |x|), float32 sums
+        rel = ((got.double() - expected).abs().max() / expected.abs().max()).item()
+        assert rel <= 5e-5
+    else:
+        # bfloat16 x is exact in the products; the float32 sum (relative error ~1e-6 here) is rounded
+        # once to bfloat16, at most half an ulp = 2^-8 of the value
+        err = (got.double() - expected).abs()
+        assert (err <= 2 ** -8 * expected.abs() + 1e-4 * expected.abs().max()).all()
+
+
+MS = [1, 2, 3, 4, 5, 8, 17, 33, 64, 257]
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 16), (8, 32), (8, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("path", ["FASTEST", "PORTABLE"], ids=["avx512", "portable"])
+def test_matches_float64_reference(path, dtype, bits, group_size, m):
+    n, k = 48, 128  # 3 tiles: a strip of 2 and one alone; 257 rows: blocks of 12 and a remainder
+    codes, scale, mins = _weights(n, k, group_size, bits, seed=bits + group_size + m)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    expected = x.double() @ _dequantized(codes, scale, mins, group_size).T
+    got = ops.group_weight_linear(x, packed, sz, group_size, bits, path=ops.KernelPath[path])
+    assert got.dtype == dtype and got.shape == (m, n)
+    _check(got, expected, dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_larger_shape_and_the_python_entry_point(bits):
+    n, k, group_size = 320, 576, 32
+    codes, scale, mins = _weights(n, k, group_size, bits, seed=5)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    for m in (1, 40):
+        x = torch.randn(m, k).bfloat16()
+        got = qk.group_weight_mm(x, packed, sz, group_size, bits)
+        _check(got, x.double() @ _dequantized(codes, scale, mins, group_size).T, torch.bfloat16)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_symmetric_mins_take_the_same_sums(bits):
+    """min = -offset * scale (Q4_0, Q8_0): the many-rows schedule skips the zero folded minimum;
+    results stay those of the few-rows one."""
+    n, k, group_size = 64, 256, 32
+    codes, scale, _ = _weights(n, k, group_size, bits, seed=9)
+    mins = -scale * (8 if bits == 4 else 128)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    x = torch.randn(40, k).bfloat16()
+    together = ops.group_weight_linear(x, packed, sz, group_size, bits)
+    _check(together, x.double() @ _dequantized(codes, scale, mins, group_size).T, torch.bfloat16)
+    for i in (0, 17, 39):
+        assert torch.equal(ops.group_weight_linear(x[i:i + 1], packed, sz, group_size, bits)[0], together[i])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits):
+    n, k, group_size = 80, 192, 32
+    codes, scale, mins = _weights(n, k, group_size, bits, seed=11)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    together = ops.group_weight_linear(x, packed, sz, group_size, bits)
+    for i in range(0, 300, 13):
+        assert torch.equal(ops.group_weight_linear(x[i:i + 1], packed, sz, group_size, bits)[0], together[i])
+    for m in (7, 16, 31):  # the other schedule's block sizes
+        assert torch.equal(ops.group_weight_linear(x[:m], packed, sz, group_size, bits), together[:m])
+    few = ops.group_weight_linear(x[:5], packed, sz, group_size, bits)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops.group_weight_linear(x, packed, sz, group_size, bits), together)
+        assert torch.equal(ops.group_weight_linear(x[:5], packed, sz, group_size, bits), few)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_int4_shares_the_kernel_and_its_invariance(scale_dtype):
+    """int4_weight_linear's w = (q - 8) * scale + zero is the grouped w = q * scale + (zero - 8 scale),
+    on both schedules, scales and zeros float32 or kept bfloat16."""
+    n, k, group_size = 48, 128, 32
+    codes, scale, zero = _weights(n, k, group_size, 4, seed=3)
+    scale, zero = scale.to(scale_dtype), zero.to(scale_dtype)
+    packed, sz = qk.int4_cpu_pack(qk.pack_nibbles(codes), scale, zero)
+    assert sz.dtype == scale_dtype
+    x = torch.randn(40, k).bfloat16()
+    expected = x.double() @ _dequantized(codes, scale, zero.double() - 8 * scale.double(), group_size).T
+    together = ops.int4_weight_linear(x, packed, sz, group_size)
+    _check(together, expected, torch.bfloat16)
+    for i in (0, 21, 39):
+        assert torch.equal(ops.int4_weight_linear(x[i:i + 1], packed, sz, group_size)[0], together[i])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_layout_round_trip(bits):
+    n, k, group_size = 32, 64, 16
+    codes, scale, mins = _weights(n, k, group_size, bits, seed=4)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    assert packed.dtype == torch.uint8 and sz.dtype == torch.float32 and sz.shape == (2, 4, 2, 16)
+    if bits == 4:
+        assert packed.shape == (2, 16, 32)
+        # chunk c of tile t, byte 2r + j: code[16t + r, 4c + j] low nibble, code[16t + r, 4c + 2 + j] high
+        q = torch.stack((packed & 15, packed >> 4), dim=-1).view(2, 16, 16, 2, 2)  # t, c, r, j, nibble
+        back = q.permute(0, 2, 1, 4, 3).reshape(n, k)
+    else:
+        assert packed.shape == (2, 32, 32)
+        # chunk c of tile t, byte 2r + j: code[16t + r, 2c + j]
+        back = packed.view(2, 32, 16, 2).permute(0, 2, 1, 3).reshape(n, k)
+    assert torch.equal(back, codes)
+    assert torch.equal(sz[1, 2, 0], scale[16:, 2]) and torch.equal(sz[0, 3, 1], mins[:16, 3])
+    assert torch.equal(qk.group_cpu_pack(codes, scale, mins, bits)[0], packed)  # deterministic
+
+
+def test_bad_shapes_are_rejected():
+    codes, scale, mins = _weights(16, 64, 32, 8, seed=6)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, 8)
+    x = torch.zeros(1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        ops.group_weight_linear(x, packed, sz, 32, 5)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.group_weight_linear(torch.zeros(1, 32).bfloat16(), packed, sz, 32, 8)
+    with pytest.raises(RuntimeError, match="columns"):  # an 8-bit weight read as 4-bit
+        ops.group_weight_linear(x, packed, sz, 32, 4)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.group_weight_linear(torch.zeros(1, 64, dtype=torch.float16), packed, sz, 32, 8)
+    with pytest.raises(RuntimeError, match="whole number of groups"):
+        ops.group_weight_linear(x, packed, sz, 48, 8)
+    with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 2"):
+        ops.group_weight_linear(x, packed, sz, 0, 8)
+    with pytest.raises(RuntimeError, match=r"scales and mins must be \[N / 16, K / group_size, 2, 16\]"):
+        ops.group_weight_linear(x, packed, sz, 16, 8)
+    with pytest.raises(RuntimeError, match="scales and mins must be float32"):
+        ops.group_weight_linear(x, packed, sz.bfloat16(), 32, 8)
+    with pytest.raises(RuntimeError, match="packed weight must be uint8"):
+        ops.group_weight_linear(x, packed.view(torch.int8), sz, 32, 8)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        qk.group_cpu_pack(codes[:8], scale[:8], mins[:8], 8)
+    with pytest.raises(ValueError, match=r"in 0\.\.15"):
+        qk.group_cpu_pack(codes, scale, mins, 4)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        qk.group_cpu_pack(codes, scale, mins, 6)
+    with pytest.raises(ValueError, match="groups of a multiple of 4"):
+        qk.group_cpu_pack(codes & 15, torch.zeros(16, 32), torch.zeros(16, 32), 4)  # group_size 2
+    with pytest.raises(ValueError, match="both be"):
+        qk.group_cpu_pack(codes, scale, mins[:, :1], 8)
+
+
+def test_group_weight_mm_needs_the_kernels(monkeypatch):
+    codes, scale, mins = _weights(16, 64, 32, 4, seed=7)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, 4)
+    monkeypatch.setattr(dispatch, "cpu_ops", lambda: None)
+    with pytest.raises(RuntimeError, match="CPU kernels"):
+        qk.group_weight_mm(torch.zeros(1, 64), packed, sz, 32, 4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 3, 20])
+def test_decode_stack_linear_matches_group_weight_mm(m, bits):
+    """A GROUPED Linear (what DecodeStack.run multiplies by) pads x to in_features, cuts the padded
+    rows and adds the bias, around the very same kernel call."""
+    out_features, k, group_size = 40, 96, 32  # N padded to 48 rows; x given 90 columns, padded to 96
+    codes, scale, mins = _weights(48, k, group_size, bits, seed=m)
+    codes[out_features:], scale[out_features:], mins[out_features:] = 0, 0, 0
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    bias = torch.randn(out_features).bfloat16()
+    spec = CpuLinearSpec(kind=LinearKind.GROUPED, weight=packed, out_features=out_features, in_features=k,
+                         scales=sz, bias=bias, group_size=group_size, bits=bits)
+    native = spec.native(ops)
+    assert native.kind == ops.LinearKind.GROUPED and (native.bits, native.group_size) == (bits, group_size)
+    x = torch.randn(m, 90).bfloat16()
+    expected = qk.group_weight_mm(torch.nn.functional.pad(x, (0, k - 90)), packed, sz, group_size, bits)
+    assert torch.equal(native(x), expected[:, :out_features] + bias)
+
+
+def test_grouped_linear_checks_its_fields():
+    codes, scale, mins = _weights(16, 64, 32, 8, seed=8)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, 8)
+    kw = dict(kind=ops.LinearKind.GROUPED, weight=packed, out_features=16, in_features=64)
+    with pytest.raises(RuntimeError, match="bits 4 or 8"):
+        ops.Linear(**kw, scales=sz, group_size=32)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.Linear(**kw, group_size=32, bits=8)
+    with pytest.raises(RuntimeError, match="group_size"):
+        ops.Linear(**kw, scales=sz, group_size=48, bits=8)

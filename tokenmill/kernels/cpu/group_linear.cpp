@@ -1,0 +1,627 @@
+// Weight-only linear on CPU over group-wise quantized weights: integer codes, one (scale, min) per
+// group of group_size input columns and output channel. Built at first use by
+// tokenmill/kernels/cpu_ops.py. Two conventions share everything below:
+//   Grouped  (group_weight_linear):  w[n, k] = code[n, k] * scale[n, g] + min[n, g],  g = k / group_size,
+//            codes 0..15 (bits 4) or 0..255 (bits 8): the GGUF types (Q4_0 .. Q8_0, Q4_K .. Q6_K) exactly;
+//   Tinygemm (int4_weight_linear, int4_linear.cpp): w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g].
+// The kernel multiplies by signed codes c = code - o (o = 8 for 4 bits, 128 for 8 bits; Tinygemm's
+// q - 8 is that with o = 8), which bfloat16 holds exactly, and folds the offset into the minimum:
+//   w = c * scale + mn,  mn = min + o * scale (Grouped, one float32 fma per group), mn = zero (Tinygemm)
+//   out[m, n] = sum_g scale[n, g] * (sum_{k in g} c[n, k] x[m, k]) + mn[n, g] * sx[m, g]
+// with sx[m, g] the sum of x over the group as the products see it. Signed codes keep the group sums
+// small where a symmetric type's min cancels its codes' offset (Q8_0: code q + 128, min -128 d: mn = 0).
+//
+// Layouts (tokenmill.quantization.kernels.int4_cpu_pack / group_cpu_pack): output channels in tiles
+// of 16, a tile's codes in 32-byte chunks that widen to 32 words = "16 rows x one pair of k", what
+// vdpbf16ps multiplies by a broadcast pair of x (16 output channels side by side, no horizontal sums):
+//   bits 4: [N / 16, K / 4, 32], chunk c byte 2r + j = code[r, 4c + j] | code[r, 4c + 2 + j] << 4
+//           (low nibbles: k pair 2c, high nibbles: k pair 2c + 1; a 32-entry vpermw table gives bf16)
+//   bits 8: [N / 16, K / 2, 32], chunk c byte 2r + j = code[r, 2c + j] (xor 0x80 = code - 128 as int8,
+//           widened to int32, to float, two vectors packed to bfloat16 pairs)
+// and (scale, min) [N / 16, G, 2, 16] (float32; Tinygemm also bfloat16), read once per group.
+//
+// Rounding: codes -> bfloat16 is exact, products are summed in float32 by vdpbf16ps; bfloat16 x is
+// used as is, float32 x is split into a bfloat16 high part and a bfloat16 low part (two products per
+// pair, about 16 bits of x kept). Activations are never quantized.
+//
+// Two schedules, one sum. Every output is, whatever the schedule, the number of rows, the other
+// rows and the thread count:
+//   res = 0; for each group g: acc = 0; for each k pair p of g: acc = dpbf16(acc, c_p, xh_p)
+//            [float32 x: then acc = dpbf16(acc, c_p, xl_p)]; res = fma(scale, acc, res);
+//            res = fma(mn, sx, res)
+// (explicit fma / dpbf16 intrinsics only, which -ffast-math does not reassociate), so a row's result
+// is bit for bit the same at M = 1 and inside any batch (tests/kernels/test_group_linear.py):
+//   few rows (M < kGemmRows = 10): each thread streams its tiles' codes once per call, each chunk
+//     unpacked in registers for all the rows of a block (rows x tiles at once: 1-2 x 4, 3-6 x 2,
+//     7-9 x 1, so that there are enough independent vdpbf16ps chains);
+//   many rows: each thread unpacks a strip of 2 tiles to bfloat16 once per call (bf16_linear.cpp's
+//     layout, [K / 2][2][32], in L1/L2) and runs a register-blocked loop over it: blocks of up to
+//     12 rows (as even as they come) x 2 tiles, the 24 group accumulators in registers, the results
+//     in L1 between groups, x copied once per call into row-block panels (slabs of 16 k pairs of
+//     the block's rows side by side, so that every broadcast is one pointer plus a constant). A
+//     group's end is interleaved with the next group's first pair; the mn fma is skipped for a
+//     strip whose mn are all 0 (fma(0, sx, r) == r: the same result).
+// The price of grouped weights against bf16_linear.cpp (one dpbf16 per k pair and nothing else) is
+// the group ends, 2 float32 fmas per group_size / 2 dpbf16 of every accumulator, on the same two
+// pipes: at group_size 32 a bound of 16 / 18 = 89% of the bfloat16 GEMM's speed (94% when mn = 0,
+// as for Q4_0 and Q8_0); bench/quantized_linear.py measures what is reached.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace {
+
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16_bits(float f) { return c10::BFloat16(f).x; }
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// What every tile task reads.
+template <typename S>
+struct Problem {
+  const uint16_t* xh;  // [M, K] bfloat16 bits of x (the high part for float32 x)
+  const uint16_t* xl;  // [M, K] the low part (float32 x only), else nullptr
+  const float* sx;     // [M, G] group sums of x as the products see it (xh + xl)
+  const uint8_t* w;    // [N / 16, K / 4 or K / 2, 32]
+  const S* sz;         // [N / 16, G, 2, 16]
+  int64_t M, K, N, G, gs;
+  int bits;            // 4 or 8
+  bool shift_min;      // Grouped: mn = min + o * scale; Tinygemm: mn = zero
+};
+
+// The signed codes' offset o.
+inline int code_offset(int bits) { return bits == 4 ? 8 : 128; }
+
+// x as the kernels take it: bfloat16 bits (high and, for float32 x, low parts) and group sums, each
+// row by itself (rows in parallel), so a row's values do not depend on the batch.
+struct PreparedX {
+  torch::Tensor xh, xl, sx;
+  const uint16_t* h = nullptr;
+  const uint16_t* l = nullptr;
+  const float* s = nullptr;
+};
+
+PreparedX prepare_x(const torch::Tensor& x, int64_t gs, bool generic) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / gs;
+  const bool f32 = x.scalar_type() == torch::kFloat32;
+  PreparedX p;
+  p.sx = torch::empty({M, G}, x.options().dtype(torch::kFloat32));
+  float* s = p.sx.data_ptr<float>();
+  uint16_t* h = nullptr;
+  uint16_t* l = nullptr;
+  if (f32) {
+    p.xh = torch::empty({M, K}, x.options().dtype(torch::kInt16));
+    p.xl = torch::empty({M, K}, x.options().dtype(torch::kInt16));
+    h = reinterpret_cast<uint16_t*>(p.xh.data_ptr<int16_t>());
+    l = reinterpret_cast<uint16_t*>(p.xl.data_ptr<int16_t>());
+    p.h = h, p.l = l;
+  } else {
+    p.h = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());  // used in place
+  }
+  const float* xf = f32 ? x.data_ptr<float>() : nullptr;
+  const uint16_t* xb = p.h;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      int64_t k0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      // 16 columns at a time: bfloat16 parts by rounding to nearest even (as c10::BFloat16 for
+      // finite values), group sums lane-wise then one fixed reduction.
+      if (!generic && gs % 16 == 0) {
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
+            const int64_t i = m * K + k;
+            __m512 v;
+            if (f32) {
+              const __m512 xv = _mm512_loadu_ps(xf + i);
+              const __m256i hb = (__m256i)_mm512_cvtneps_pbh(xv);
+              const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
+              const __m256i lb = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(xv, hv));
+              const __m512 lv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lb), 16));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), hb);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + i), lb);
+              v = _mm512_add_ps(hv, lv);
+            } else {
+              v = load16(reinterpret_cast<const c10::BFloat16*>(xb + i));
+            }
+            acc = _mm512_add_ps(acc, v);
+          }
+          s[m * G + g] = _mm512_reduce_add_ps(acc);
+        }
+        k0 = K;
+      }
+#endif
+      for (int64_t g = k0 / gs; g < G; ++g) {
+        float sum = 0.f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+          const int64_t i = m * K + k;
+          if (f32) {
+            const float v = xf[i];
+            h[i] = float_to_bf16_bits(v);
+            l[i] = float_to_bf16_bits(v - bf16_bits_to_float(h[i]));
+            sum += bf16_bits_to_float(h[i]) + bf16_bits_to_float(l[i]);
+          } else {
+            sum += bf16_bits_to_float(xb[i]);
+          }
+        }
+        s[m * G + g] = sum;
+      }
+    }
+  });
+  p.s = s;
+  return p;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kFast = true;
+
+// One 32-byte chunk of codes -> kPairs vectors of signed codes as bfloat16, "16 rows x a k pair".
+template <int Bits>
+struct Unpack;
+
+template <>
+struct Unpack<4> {
+  static constexpr int kPairs = 2;
+  __m512i table;
+  // bfloat16 of (i & 15) - 8, twice: vpermw reads the low 5 bits of each index word, so a byte's
+  // low nibble indexes it directly whatever bit 4 is.
+  Unpack() {
+    alignas(64) uint16_t t[32];
+    for (int i = 0; i < 32; ++i) t[i] = float_to_bf16_bits(static_cast<float>((i & 15) - 8));
+    table = _mm512_load_si512(t);
+  }
+  inline void operator()(const uint8_t* chunk, __m512bh* v) const {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+    v[0] = (__m512bh)_mm512_permutexvar_epi16(b, table);
+    v[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+  }
+};
+
+template <>
+struct Unpack<8> {
+  static constexpr int kPairs = 1;
+  inline void operator()(const uint8_t* chunk, __m512bh* v) const {
+    const __m256i b = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)),
+                                       _mm256_set1_epi8(static_cast<char>(0x80)));  // code - 128, as int8
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    v[0] = _mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo, 16..31 from hi
+  }
+};
+
+// The (scale, mn) of a tile's group, as float32.
+template <typename S>
+inline void scale_min(const S* szg, bool shift, float offset, __m512* scale, __m512* mn) {
+  *scale = load16(szg);
+  *mn = load16(szg + 16);
+  if (shift) *mn = _mm512_fmadd_ps(_mm512_set1_ps(offset), *scale, *mn);
+}
+
+// A group's end, the one place where both schedules fold an accumulator into its result.
+template <bool WithMin = true>
+inline __m512 group_end(__m512 res, __m512 acc, __m512 scale, __m512 mn, const float* sx) {
+  res = _mm512_fmadd_ps(scale, acc, res);
+  if constexpr (WithMin) res = _mm512_fmadd_ps(mn, _mm512_set1_ps(*sx), res);
+  return res;
+}
+
+inline __m512bh bcast_pair(const uint16_t* x, int64_t p) {
+  int32_t pair;
+  std::memcpy(&pair, x + 2 * p, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+// f(std::integral_constant<int, n>()) for a runtime n in 1 .. Max: a register block's rows as a
+// template argument.
+template <int Max, typename F>
+inline void with_constant(int n, F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    ((n == I + 1 ? (f(std::integral_constant<int, I + 1>()), true) : false) || ...);
+  }(std::make_integer_sequence<int, Max>());
+}
+
+template <typename T>
+inline void store_out(T* y, __m512 v) {
+  store16(y, v, static_cast<__mmask16>(0xffff));
+}
+
+// Few rows: rows m0 .. m0 + MB - 1 of x times tiles t0 .. t0 + NT - 1, each chunk unpacked once
+// for them (MB x NT independent vdpbf16ps chains; the x pairs broadcast once for the NT tiles).
+template <int MB, int NT, int Bits, typename T, typename S>
+void strip_rows(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, int64_t m0, T* y) {
+  constexpr bool kTwo = std::is_same_v<T, float>;
+  constexpr int P = Unpack<Bits>::kPairs;
+  const int64_t chunks = p.K / (2 * P);
+  const uint8_t* wt = p.w + t0 * chunks * 32;
+  const S* szt = p.sz + t0 * p.G * 32;
+  const float offset = static_cast<float>(code_offset(p.bits));
+  const uint16_t* xh = p.xh + m0 * p.K;
+  const uint16_t* xl = kTwo ? p.xl + m0 * p.K : nullptr;
+  const float* sx = p.sx + m0 * p.G;
+  __m512 res[MB][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MB; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) res[r][t] = _mm512_setzero_ps();
+  const int64_t chunks_per_group = p.gs / (2 * P);
+  for (int64_t g = 0; g < p.G; ++g) {
+    __m512 acc[MB][NT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MB; ++r)
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    const int64_t c0 = g * chunks_per_group;
+    for (int64_t c = c0; c < c0 + chunks_per_group; ++c) {
+      __m512bh v[NT][P];
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) unpack(wt + (t * chunks + c) * 32, v[t]);
+#pragma GCC unroll 2
+      for (int i = 0; i < P; ++i) {
+        const int64_t pair = c * P + i;
+#pragma GCC unroll 8
+        for (int r = 0; r < MB; ++r) {
+          const __m512bh xv = bcast_pair(xh + r * p.K, pair);
+#pragma GCC unroll 4
+          for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], v[t][i], xv);
+          if constexpr (kTwo) {
+            const __m512bh lv = bcast_pair(xl + r * p.K, pair);
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], v[t][i], lv);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      __m512 scale, mn;
+      scale_min(szt + (t * p.G + g) * 32, p.shift_min, offset, &scale, &mn);
+#pragma GCC unroll 8
+      for (int r = 0; r < MB; ++r) res[r][t] = group_end(res[r][t], acc[r][t], scale, mn, sx + r * p.G + g);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MB; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) store_out(y + (m0 + r) * p.N + (t0 + t) * 16, res[r][t]);
+}
+
+// All rows of x times tiles t0 .. t0 + NT - 1, in blocks of 2 (NT = 4), 6 (NT = 2) or 8 rows.
+template <int NT, int Bits, typename T, typename S>
+void strip_few_rows(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, T* y) {
+  constexpr int kRows = NT == 4 ? 2 : NT == 2 ? 6 : 8;
+  int64_t m = 0;
+  for (; m + kRows <= p.M; m += kRows) strip_rows<kRows, NT>(p, unpack, t0, m, y);
+  if (m < p.M)
+    with_constant<kRows - 1>(static_cast<int>(p.M - m),
+                             [&](auto rows) { strip_rows<decltype(rows)::value, NT>(p, unpack, t0, m, y); });
+}
+
+// Tiles at once for M rows: enough chains for few rows, registers for more.
+inline int few_rows_tiles(int64_t M) { return M <= 2 ? 4 : M <= 6 ? 2 : 1; }
+
+template <int Bits, typename T, typename S>
+void tiles_few_rows(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
+  const Unpack<Bits> unpack;
+  const int nt = few_rows_tiles(p.M);
+  int64_t t = t_begin;
+  if (nt == 4)
+    for (; t + 4 <= t_end; t += 4) strip_few_rows<4>(p, unpack, t, y);
+  if (nt == 2)
+    for (; t + 2 <= t_end; t += 2) strip_few_rows<2>(p, unpack, t, y);
+  for (; t < t_end; ++t) strip_few_rows<1>(p, unpack, t, y);
+}
+
+// Many rows: MB rows x NB tiles over a strip unpacked to bfloat16, w [K / 2][NB][32], smin
+// [G][NB][2][16] (scale, mn) as float32. The MB x NB group accumulators stay in registers (enough
+// independent vdpbf16ps chains to hide its latency); the results live in `res` (L1) between groups.
+constexpr int kStripTiles = 2;
+constexpr int kBlockRows = 12;
+
+// A row block's x pairs, in slabs of 16 k pairs: [K / 32][rows][terms][16] (terms: bfloat16 x, or
+// float32 x's high and low parts); pair p of row m, term e is
+// panel_pair(panel, p, rows * terms)[(m * terms + e) * kSlab].
+constexpr int kSlab = 16;
+inline const uint32_t* panel_pair(const uint32_t* panel, int64_t p, int64_t row_terms) {
+  return panel + (p / kSlab) * row_terms * kSlab + p % kSlab;
+}
+
+template <int MB, int NB, bool WithMin, typename T>
+inline void gemm_block(const uint32_t* xp, const float* sx, int64_t G, int64_t gp, const uint16_t* w,
+                       const float* smin, T* y, int64_t N, float* res) {
+  constexpr int kTerms = std::is_same_v<T, float> ? 2 : 1;
+#pragma GCC unroll 32
+  for (int i = 0; i < MB * NB; ++i) _mm512_store_ps(res + i * 16, _mm512_setzero_ps());
+  __m512 acc[MB][NB];
+  // res += group g's sums, from acc
+  auto fold = [&](int64_t g, int m, int t) {
+    const float* sm = smin + (g * NB + t) * 32;
+    float* r = res + (m * NB + t) * 16;
+    return group_end<WithMin>(_mm512_load_ps(r), acc[m][t], _mm512_load_ps(sm), _mm512_load_ps(sm + 16),
+                              sx + m * G + g);
+  };
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* wg = w + g * gp * NB * 32;
+    const uint32_t* x0 = panel_pair(xp, g * gp, MB * kTerms);
+    {  // the group's first pair, interleaved with the end of the previous group
+      __m512bh wv[NB];
+#pragma GCC unroll 4
+      for (int t = 0; t < NB; ++t) wv[t] = (__m512bh)_mm512_load_si512(wg + t * 32);
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) {
+        __m512bh xv[kTerms];
+#pragma GCC unroll 2
+        for (int e = 0; e < kTerms; ++e)
+          xv[e] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x0[(m * kTerms + e) * kSlab]));
+#pragma GCC unroll 4
+        for (int t = 0; t < NB; ++t) {
+          __m512 first = _mm512_dpbf16_ps(_mm512_setzero_ps(), wv[t], xv[0]);
+          if constexpr (kTerms == 2) first = _mm512_dpbf16_ps(first, wv[t], xv[1]);
+          if (g > 0) _mm512_store_ps(res + (m * NB + t) * 16, fold(g - 1, m, t));
+          acc[m][t] = first;
+        }
+      }
+    }
+    for (int64_t p = 1; p < gp; ++p) {
+      const uint32_t* xk = panel_pair(xp, g * gp + p, MB * kTerms);
+      __m512bh wv[NB];
+#pragma GCC unroll 4
+      for (int t = 0; t < NB; ++t) wv[t] = (__m512bh)_mm512_load_si512(wg + (p * NB + t) * 32);
+#pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 2
+        for (int e = 0; e < kTerms; ++e) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xk[(m * kTerms + e) * kSlab]));
+#pragma GCC unroll 4
+          for (int t = 0; t < NB; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], wv[t], xv);
+        }
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int t = 0; t < NB; ++t) store_out(y + m * N + 16 * t, fold(G - 1, m, t));
+}
+
+template <int NB, bool WithMin, typename T>
+inline void gemm_rows(int mb, const uint32_t* xp, const float* sx, int64_t G, int64_t gp, const uint16_t* w,
+                      const float* smin, T* y, int64_t N, float* res) {
+  with_constant<kBlockRows>(mb, [&](auto rows) {
+    gemm_block<decltype(rows)::value, NB, WithMin>(xp, sx, G, gp, w, smin, y, N, res);
+  });
+}
+
+// Rows in blocks of at most kBlockRows, as even as they come (257 rows: 15 blocks of 12 and 7 of
+// 11, no short last block): block b is rows [start(b), start(b + 1)).
+struct RowBlocks {
+  int64_t count, base, extra;
+  explicit RowBlocks(int64_t M) : count((M + kBlockRows - 1) / kBlockRows), base(0), extra(0) {
+    if (count) base = M / count, extra = M % count;
+  }
+  int64_t start(int64_t b) const { return b * base + std::min(b, extra); }
+};
+
+// x of every row block as gemm_block reads it (panel_pair's layout, the last slab zero-padded).
+torch::Tensor x_panels(const uint16_t* xh, const uint16_t* xl, int64_t M, int64_t K, const RowBlocks& rb) {
+  const int terms = xl ? 2 : 1;
+  const int64_t pairs = K / 2, slabs = (pairs + kSlab - 1) / kSlab;
+  auto out = torch::empty({M * slabs * kSlab * terms}, torch::dtype(torch::kInt32));
+  auto* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  at::parallel_for(0, rb.count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t m0 = rb.start(b), mb = rb.start(b + 1) - m0;
+      uint32_t* panel = o + m0 * slabs * kSlab * terms;
+      for (int64_t m = 0; m < mb; ++m)
+        for (int e = 0; e < terms; ++e) {
+          const uint32_t* src = reinterpret_cast<const uint32_t*>((e ? xl : xh) + (m0 + m) * K);
+          for (int64_t s = 0; s < slabs; ++s) {
+            uint32_t* dst = panel + ((s * mb + m) * terms + e) * kSlab;
+            const int64_t n = std::min<int64_t>(kSlab, pairs - s * kSlab);
+            std::memcpy(dst, src + s * kSlab, n * sizeof(uint32_t));
+            if (n < kSlab) std::memset(dst + n, 0, (kSlab - n) * sizeof(uint32_t));
+          }
+        }
+    }
+  });
+  return out;
+}
+
+struct AlignedBuffer {
+  void* ptr;
+  explicit AlignedBuffer(size_t bytes) : ptr(std::aligned_alloc(64, (bytes + 63) / 64 * 64)) {
+    TORCH_CHECK(ptr, "out of memory for a weight strip");
+  }
+  ~AlignedBuffer() { std::free(ptr); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
+
+// NB tiles from t0 unpacked to bfloat16 [K / 2][NB][32] and their (scale, mn) to [G][NB][2][16];
+// whether any mn of them is nonzero.
+template <int NB, int Bits, typename S>
+bool unpack_strip(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, uint16_t* w, float* smin) {
+  constexpr int P = Unpack<Bits>::kPairs;
+  const int64_t chunks = p.K / (2 * P);
+  const float offset = static_cast<float>(code_offset(p.bits));
+  __mmask16 nonzero = 0;
+  for (int t = 0; t < NB; ++t) {
+    const uint8_t* wt = p.w + (t0 + t) * chunks * 32;
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512bh v[P];
+      unpack(wt + c * 32, v);
+      for (int i = 0; i < P; ++i) _mm512_store_si512(w + ((c * P + i) * NB + t) * 32, (__m512i)v[i]);
+    }
+    const S* szt = p.sz + (t0 + t) * p.G * 32;
+    for (int64_t g = 0; g < p.G; ++g) {
+      __m512 scale, mn;
+      scale_min(szt + g * 32, p.shift_min, offset, &scale, &mn);
+      _mm512_store_ps(smin + (g * NB + t) * 32, scale);
+      _mm512_store_ps(smin + (g * NB + t) * 32 + 16, mn);
+      nonzero |= _mm512_cmpneq_ps_mask(mn, _mm512_setzero_ps());
+    }
+  }
+  return nonzero != 0;
+}
+
+template <int NB, int Bits, typename T, typename S>
+void strip_many_rows(const Problem<S>& p, const Unpack<Bits>& unpack, const uint32_t* xp, const RowBlocks& rb,
+                     int64_t t0, uint16_t* w, float* smin, float* res, T* y) {
+  const bool with_min = unpack_strip<NB>(p, unpack, t0, w, smin);
+  const int64_t gp = p.gs / 2, terms = p.xl ? 2 : 1;
+  for (int64_t b = 0; b < rb.count; ++b) {
+    const int64_t m = rb.start(b);
+    const int mb = static_cast<int>(rb.start(b + 1) - m);
+    const uint32_t* xb = xp + m * ((p.K / 2 + kSlab - 1) / kSlab) * kSlab * terms;
+    T* ym = y + m * p.N + t0 * 16;
+    if (with_min) gemm_rows<NB, true>(mb, xb, p.sx + m * p.G, p.G, gp, w, smin, ym, p.N, res);
+    else gemm_rows<NB, false>(mb, xb, p.sx + m * p.G, p.G, gp, w, smin, ym, p.N, res);
+  }
+}
+
+template <int Bits, typename T, typename S>
+void tiles_many_rows(const Problem<S>& p, const uint32_t* xp, const RowBlocks& rb, int64_t t_begin, int64_t t_end,
+                     T* y) {
+  const Unpack<Bits> unpack;
+  AlignedBuffer w(static_cast<size_t>(p.K / 2) * kStripTiles * 32 * sizeof(uint16_t));
+  AlignedBuffer smin(static_cast<size_t>(p.G) * kStripTiles * 32 * sizeof(float));
+  auto* wp = static_cast<uint16_t*>(w.ptr);
+  auto* sp = static_cast<float*>(smin.ptr);
+  alignas(64) float res[kBlockRows * kStripTiles * 16];
+  int64_t t = t_begin;
+  for (; t + kStripTiles <= t_end; t += kStripTiles)
+    strip_many_rows<kStripTiles>(p, unpack, xp, rb, t, wp, sp, res, y);
+  for (; t < t_end; ++t) strip_many_rows<1>(p, unpack, xp, rb, t, wp, sp, res, y);
+}
+#else
+constexpr bool kFast = false;
+#endif
+
+// Rows at which the unpack-once schedule takes over (the same sums either way: only speed).
+constexpr int64_t kGemmRows = 10;
+
+// Portable path: the same sums, one product at a time.
+template <typename T, typename S>
+void tiles_portable(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
+  const int64_t per_chunk = p.bits == 4 ? 4 : 2;  // k per 32-byte chunk
+  const float offset = static_cast<float>(code_offset(p.bits));
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const uint8_t* wt = p.w + t * (p.K / per_chunk) * 32;
+    const S* szt = p.sz + t * p.G * 32;
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int r = 0; r < 16; ++r) {
+        float res = 0.f;
+        for (int64_t g = 0; g < p.G; ++g) {
+          float acc = 0.f;
+          for (int64_t k = g * p.gs; k < (g + 1) * p.gs; ++k) {
+            const int64_t c = k / per_chunk, j = k % per_chunk;
+            int code;
+            if (p.bits == 4) {
+              const uint8_t byte = wt[c * 32 + 2 * r + (j & 1)];
+              code = j < 2 ? byte & 15 : byte >> 4;
+            } else {
+              code = wt[c * 32 + 2 * r + j];
+            }
+            float xv = bf16_bits_to_float(p.xh[m * p.K + k]);
+            if (p.xl) xv += bf16_bits_to_float(p.xl[m * p.K + k]);
+            acc += static_cast<float>(code - static_cast<int>(offset)) * xv;
+          }
+          const float scale = to_float(szt[g * 32 + r]);
+          float mn = to_float(szt[g * 32 + 16 + r]);
+          if (p.shift_min) mn += offset * scale;
+          res += scale * acc + mn * p.sx[m * p.G + g];
+        }
+        y[m * p.N + t * 16 + r] = static_cast<T>(res);
+      }
+  }
+}
+
+template <typename T, typename S>
+void run(const Problem<S>& p, T* y, bool generic) {
+  const int64_t tiles = p.N / 16;
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (!generic) {
+    if (p.M >= kGemmRows) {
+      const RowBlocks rb(p.M);
+      const torch::Tensor panels = x_panels(p.xh, p.xl, p.M, p.K, rb);
+      const auto* xp = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
+      at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
+        if (p.bits == 4) tiles_many_rows<4>(p, xp, rb, begin, end, y);
+        else tiles_many_rows<8>(p, xp, rb, begin, end, y);
+      });
+    } else {
+      at::parallel_for(0, tiles, few_rows_tiles(p.M), [&](int64_t begin, int64_t end) {
+        if (p.bits == 4) tiles_few_rows<4>(p, begin, end, y);
+        else tiles_few_rows<8>(p, begin, end, y);
+      });
+    }
+    return;
+  }
+#endif
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) { tiles_portable(p, begin, end, y); });
+}
+
+template <typename S>
+torch::Tensor run_x(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t gs,
+                    int bits, bool shift_min, bool generic) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16, G = K / gs;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const PreparedX px = prepare_x(x, gs, generic);
+  const Problem<S> p{px.h, px.l, px.s, packed.data_ptr<uint8_t>(), sz.data_ptr<S>(), M, K, N, G, gs, bits, shift_min};
+  if (x.scalar_type() == torch::kFloat32) run(p, y.data_ptr<float>(), generic);
+  else run(p, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()), generic);
+  return y;
+}
+
+}  // namespace
+
+bool group_linear_fast() { return kFast; }
+
+torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
+                                   int64_t group_size, int64_t bits, bool shift_min, KernelPath path) {
+  const bool generic = is_portable(path);
+  auto xc = x.contiguous(), pc = packed.contiguous(), sc = sz.contiguous();
+  if (sc.scalar_type() == torch::kFloat32)
+    return run_x<float>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, generic);
+  TORCH_CHECK(sc.scalar_type() == torch::kBFloat16, "scales must be float32 or bfloat16");
+  return run_x<c10::BFloat16>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, generic);
+}
+
+torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,
+                                  int64_t bits, KernelPath path) {
+  TORCH_CHECK(bits == 4 || bits == 8, "group_weight_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2, "group_weight_linear: x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "group_weight_linear: x must be float32 or bfloat16");
+  const int64_t per_chunk = bits == 4 ? 4 : 2;
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == 32,
+              "group_weight_linear: packed weight must be uint8 [N / 16, K / ", per_chunk, ", 32] for bits ", bits);
+  TORCH_CHECK(group_size > 0 && group_size % per_chunk == 0, "group_weight_linear: group_size must be a positive "
+              "multiple of ", per_chunk, " for bits ", bits, ", got ", group_size);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.size(1) * per_chunk == K, "group_weight_linear: x has ", K, " columns, the weight ",
+              packed.size(1) * per_chunk);
+  TORCH_CHECK(K % group_size == 0, "group_weight_linear: K = ", K, " is not a whole number of groups of ", group_size);
+  TORCH_CHECK(sz.dim() == 4 && sz.size(0) == packed.size(0) && sz.size(1) == K / group_size && sz.size(2) == 2 &&
+                  sz.size(3) == 16,
+              "group_weight_linear: scales and mins must be [N / 16, K / group_size, 2, 16] = [", packed.size(0), ", ",
+              K / group_size, ", 2, 16], got ", sz.sizes());
+  TORCH_CHECK(sz.scalar_type() == torch::kFloat32, "group_weight_linear: scales and mins must be float32");
+  return grouped_codes_linear(x, packed, sz, group_size, bits, /*shift_min=*/true, path);
+}

@@ -1,0 +1,141 @@
+"""A linear layer over GGUF's quantized weights as the file stores them: no requantization, no rounding.
+
+    GroupedLinear   w[n, k] = code[n, k] * scale[n, k // group_size] + min[n, k // group_size]
+                    codes 0..15 (bits 4) or 0..255 (bits 8), scale and min float32
+
+which is exactly every GGUF type of ``tokenmill.loading.gguf_groups.NATIVE_TYPES`` (Q4_0 ... Q8_0,
+Q4_K, Q5_K, Q6_K), or a fused projection of several of them (one group size, the smallest; codes in
+the widest ``bits``).
+
+Its persistent buffers are the CPU kernel's own layout, built by ``kernels.group_cpu_pack`` from a
+:class:`~tokenmill.loading.gguf_groups.GroupedWeight` (rows padded with zero codes, scales and mins
+to a multiple of 16, the extra output columns cut)::
+
+    packed  uint8 [Np / 16, K / 4, 32] (bits 4, two codes a byte) or [Np / 16, K / 2, 32] (bits 8)
+    sz      float32 [Np / 16, K / group_size, 2, 16]: (scale, min) of each group of a tile's 16 rows
+
+so the weights are held once, at 0.5 or 1 byte each plus 8 bytes per group (a portable copy beside
+them would double that); :meth:`GroupedLinear.grouped_weight` unpacks them, exactly.
+``matmul`` runs ``kernels.group_weight_mm`` with float32 or bfloat16 activations, the weights
+applied in float32 as stored. Where the compiled kernels are not available (not on CPU, or turned
+off) it falls back to a dequantized weight in the activations' dtype, built per call: a reference
+path, slow and memory-hungry, that tokenmill's loader never chooses (it dequantizes at load then).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels import dispatch
+from tokenmill.kernels.linear_spec import CpuLinearSpec, LinearKind
+from tokenmill.loading.gguf_groups import GroupedWeight
+from tokenmill.quantization import kernels
+from tokenmill.quantization.linear import QuantizedLinear
+
+ROW_TILE = 16
+"""Output channels per tile of the kernel's layout: the rows are padded to a multiple of it."""
+CODES_PER_CHUNK_ROW = {4: 4, 8: 2}
+"""bits -> input columns per 2 bytes of a 32-byte chunk (the packed layout's second dimension is K / this)."""
+
+
+def pack_grouped(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A grouped weight [N, K] -> (packed, sz), rows padded to a multiple of 16 (code 0, scale 0, min 0)."""
+    pad = -weight.shape[0] % ROW_TILE
+    fields = (weight.codes, weight.scale, weight.min)
+    if pad:
+        fields = tuple(F.pad(t, (0, 0, 0, pad)) for t in fields)
+    return kernels.group_cpu_pack(*fields, weight.bits)
+
+
+def unpack_grouped(packed: torch.Tensor, sz: torch.Tensor, out_features: int, bits: int) -> GroupedWeight:
+    """The inverse of :func:`pack_grouped`: the first ``out_features`` rows, as codes, scale and min."""
+    tiles, chunks = packed.shape[:2]
+    rows = tiles * ROW_TILE
+    b = packed.view(tiles, chunks, ROW_TILE, 2).permute(0, 2, 1, 3)  # tile, row, chunk, j
+    if bits == 4:  # byte j of a row's chunk c: code 4c + j (low nibble), 4c + 2 + j (high nibble)
+        b = torch.stack((b & 0x0F, b >> 4), dim=3)
+    codes = b.reshape(rows, -1)
+    groups = sz.shape[1]
+    scale, min_ = sz.permute(2, 0, 3, 1).reshape(2, rows, groups)
+    return GroupedWeight(codes[:out_features].contiguous(), scale[:out_features].contiguous(),
+                         min_[:out_features].contiguous(), codes.shape[1] // groups, bits)
+
+
+class GroupedLinear(QuantizedLinear):
+    """y = x W^T (+ b) for W = codes * scale + min, one (scale, min) per ``group_size`` input columns."""
+
+    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, out_features: int, group_size: int, bits: int,
+                 bias: torch.Tensor | None = None) -> None:
+        if bits not in CODES_PER_CHUNK_ROW:
+            raise ValueError(f"GroupedLinear: bits must be 4 or 8, got {bits}")
+        super().__init__(packed.shape[1] * CODES_PER_CHUNK_ROW[bits], out_features, bias)
+        if group_size <= 0 or self.in_features % group_size or sz.shape[1] * group_size != self.in_features:
+            raise ValueError(f"GroupedLinear: {sz.shape[1]} groups of {group_size} do not make {self.in_features} "
+                             "input columns")
+        if packed.shape[0] * ROW_TILE < out_features or sz.shape[0] != packed.shape[0]:
+            raise ValueError(f"GroupedLinear: {packed.shape[0]} tiles of 16 rows cannot hold {out_features} rows")
+        self.group_size, self.bits = group_size, bits
+        self.register_buffer("packed", packed)
+        self.register_buffer("sz", sz)
+        self._ops = None
+        self._prepared = False
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, group_size: int, bits: int,
+              bias_dtype: torch.dtype = torch.float32, device: torch.device | str = "meta") -> GroupedLinear:
+        """Right shapes, no values: to be filled by ``load_state_dict(..., assign=True)``."""
+        tiles = -(-out_features // ROW_TILE)
+        return cls(torch.empty(tiles, in_features // CODES_PER_CHUNK_ROW[bits], 32, dtype=torch.uint8, device=device),
+                   torch.empty(tiles, in_features // group_size, 2, ROW_TILE, dtype=torch.float32, device=device),
+                   out_features, group_size, bits,
+                   torch.empty(out_features, dtype=bias_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_gguf(cls, weight: GroupedWeight, bias: torch.Tensor | None = None) -> GroupedLinear:
+        """The layer of a GGUF weight in grouped form (``GGUFFile.load_grouped``, ``gguf_groups``), prepared."""
+        packed, sz = pack_grouped(weight)
+        return cls(packed, sz, weight.shape[0], weight.group_size, weight.bits, bias).prepare()
+
+    def grouped_weight(self) -> GroupedWeight:
+        """The weight as codes, scale and min (unpacked from the kernel's layout, exactly)."""
+        return unpack_grouped(self.packed, self.sz, self.out_features, self.bits)
+
+    @property
+    def native(self) -> bool:
+        """Whether :meth:`prepare` found tokenmill's CPU kernels (else ``matmul`` dequantizes per call)."""
+        return self._ops is not None
+
+    def prepare(self) -> GroupedLinear:
+        """Pick the kernel for where the buffers are (after construction, loading or a move)."""
+        self.packed, self.sz = kernels.aligned(self.packed), kernels.aligned(self.sz)
+        self._ops = dispatch.cpu_ops() if self.packed.device.type == "cpu" else None
+        self._prepared = True
+        return self
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._prepared:
+            raise RuntimeError("GroupedLinear used before prepare()")
+        if self._ops is None:  # no kernel here: the reference path
+            return F.linear(x, self.dequantize().to(device=x.device, dtype=x.dtype))
+        if x.dtype in dispatch.KERNEL_DTYPES:
+            y = kernels.group_weight_mm(x.contiguous(), self.packed, self.sz, self.group_size, self.bits)
+        else:  # float16 and others: in float32
+            y = kernels.group_weight_mm(x.float().contiguous(), self.packed, self.sz, self.group_size,
+                                        self.bits).to(x.dtype)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+    def cpu_kernel_spec(self) -> CpuLinearSpec | None:
+        """This layer for tokenmill's CPU decode stack: the grouped kernel over its buffers; None
+        where the kernels are not available (the stack then runs layer by layer)."""
+        if self._ops is None:
+            return None
+        return CpuLinearSpec(kind=LinearKind.GROUPED, weight=self.packed, out_features=self.out_features,
+                             in_features=self.in_features, scales=self.sz, bias=self.bias,
+                             group_size=self.group_size, bits=self.bits)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.grouped_weight().dequantize()
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}, bits={self.bits}"

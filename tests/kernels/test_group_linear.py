@@ -219,3 +219,22 @@ def test_grouped_linear_checks_its_fields():
         ops.Linear(**kw, group_size=32, bits=8)
     with pytest.raises(RuntimeError, match="group_size"):
         ops.Linear(**kw, scales=sz, group_size=48, bits=8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_float16_scales_where_exact_give_the_same_bits(m, bits):
+    """Scales and mins that are all float16 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0's d and m) are
+    packed as float16, half the bytes per group; the products are the very same float32 sums."""
+    n, k, group_size = 48, 128, 32
+    codes, scale, mins = _weights(n, k, group_size, bits, seed=11)
+    scale, mins = scale.half().float(), mins.half().float()  # every value a float16 exactly
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    assert sz.dtype == torch.float16
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    got = qk.group_weight_mm(x, packed, sz, group_size, bits)
+    assert torch.equal(got, qk.group_weight_mm(x, packed, sz.float(), group_size, bits))
+    _check(got, x.double() @ _dequantized(codes, scale, mins, group_size).T, torch.bfloat16)
+    inexact = scale.clone()
+    inexact[0, 0] += 2 ** -20  # one value off the float16 grid: all kept in float32
+    assert qk.group_cpu_pack(codes, inexact, mins, bits)[1].dtype == torch.float32

@@ -43,6 +43,11 @@ class CausalLM(nn.Module):
     def make_block(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> nn.Module:
         raise NotImplementedError
 
+    def keeps_stored_dtype(self, param_name: str) -> bool:
+        """Tensors assigned in the dtype the checkpoint has (none here; a natively loaded GGUF
+        model keeps its grouped layers' exact float16 / float32 scales so)."""
+        return False
+
     def keeps_float32(self, param_name: str) -> bool:
         """Parameters held in float32 whatever the model dtype (Gemma's 1 + w norm multipliers,
         which bfloat16 would round differently from HF's float32 ``1 + w``)."""

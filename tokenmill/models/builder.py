@@ -5,7 +5,8 @@
       adapt          optional: change the meta model first (a quantized checkpoint swaps in its
                      quantized layers)
       fuse, cast     q/k/v -> qkv, gate/up -> gate_up (loading/weights.py); float tensors to
-                     ``dtype`` (float32 for those the model keeps so), integer ones as they are
+                     ``dtype`` (float32 for those the model keeps so), integer ones and those the
+                     model keeps as stored as they are
       check          every parameter present, none extra, every shape right: ModelFormatError
       assign         load_state_dict(assign=True), buffers (RoPE) moved to the device
 
@@ -70,9 +71,7 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
         if adapt is not None:
             adapt(model)
     try:
-        state = {name: t.to(device=device, dtype=(torch.float32 if model.keeps_float32(name) else dtype)
-                            if t.is_floating_point() else t.dtype)
-                 for name, t in fuse(tensors)}
+        state = {name: t.to(device=device, dtype=_load_dtype(model, name, t, dtype)) for name, t in fuse(tensors)}
     except KeyError as exc:  # fuse() found q/k/v or gate/up parts missing
         raise ModelFormatError(f"checkpoint does not fit the {config.architecture} model: {exc.args[0]}") from None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -93,3 +92,12 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     if checkpoint.rope_freq_factors is not None:
         model.rotary_global.inv_freq = model.rotary_global.inv_freq / checkpoint.rope_freq_factors.float().to(device)
     return model.eval().requires_grad_(False)
+
+
+def _load_dtype(model: CausalLM, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """What a checkpoint tensor is assigned as: integer tensors and those the model keeps as stored
+    (``keeps_stored_dtype``: a quantized layer's exact scales) unchanged, float32 where the model
+    keeps float32, else ``dtype``."""
+    if not t.is_floating_point() or model.keeps_stored_dtype(name):
+        return t.dtype
+    return torch.float32 if model.keeps_float32(name) else dtype

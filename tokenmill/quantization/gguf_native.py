@@ -10,7 +10,7 @@
                embedding's codes, while the lookup keeps a dequantized table
     pack       each grouped module's codes, scale and min into the kernel layout GroupedLinear holds
     build      float tensors cast to ``dtype`` as they arrive (float32 kept where the model keeps
-               it, as in a dequantized load, and for the grouped scales and mins), then each
+               it, as in a dequantized load; the grouped scales and mins as packed), then each
                GroupedLinear prepared for the CPU kernel
 
 ``tokenmill.loader.load_model`` takes this path for a GGUF source on CPU with dtype "auto" where
@@ -88,11 +88,10 @@ def swap_grouped(model: CausalLM, layouts: dict[str, GroupedLayout]) -> None:
                                    f"{', '.join(layout.sources)} is {got}, expected {expected}")
         set_module(model, name, GroupedLinear.empty(layout.in_features, layout.out_features, bias,
                                                     layout.group_size, layout.bits))
-    # The scales and mins are the file's exact float32 values, whatever the model computes in: the
-    # model keeps them so (the rule the builder and cast_float_parameters ask, per parameter name).
+    # The scales and mins are the file's exact values (float16 or float32, as group_cpu_pack chose),
+    # whatever the model computes in: the builder assigns them as stored.
     kept = {f"{name}.sz" for name in layouts}
-    keeps_float32 = model.keeps_float32
-    model.keeps_float32 = lambda param_name: param_name in kept or keeps_float32(param_name)
+    model.keeps_stored_dtype = lambda param_name: param_name in kept
 
 
 def packed_tensors(tensors: Iterator[tuple[str, torch.Tensor]], layouts: dict[str, GroupedLayout],

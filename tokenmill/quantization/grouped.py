@@ -12,7 +12,8 @@ Its persistent buffers are the CPU kernel's own layout, built by ``kernels.group
 to a multiple of 16, the extra output columns cut)::
 
     packed  uint8 [Np / 16, K / 4, 32] (bits 4, two codes a byte) or [Np / 16, K / 2, 32] (bits 8)
-    sz      float32 [Np / 16, K / group_size, 2, 16]: (scale, min) of each group of a tile's 16 rows
+    sz      float16 or float32 [Np / 16, K / group_size, 2, 16]: (scale, min) of each group of a tile's
+            16 rows, float16 where every value is one exactly (group_cpu_pack decides)
 
 so the weights are held once, at 0.5 or 1 byte each plus 8 bytes per group (a portable copy beside
 them would double that); :meth:`GroupedLinear.grouped_weight` unpacks them, exactly.
@@ -57,7 +58,7 @@ def unpack_grouped(packed: torch.Tensor, sz: torch.Tensor, out_features: int, bi
         b = torch.stack((b & 0x0F, b >> 4), dim=3)
     codes = b.reshape(rows, -1)
     groups = sz.shape[1]
-    scale, min_ = sz.permute(2, 0, 3, 1).reshape(2, rows, groups)
+    scale, min_ = sz.float().permute(2, 0, 3, 1).reshape(2, rows, groups)
     return GroupedWeight(codes[:out_features].contiguous(), scale[:out_features].contiguous(),
                          min_[:out_features].contiguous(), codes.shape[1] // groups, bits)
 

@@ -135,7 +135,9 @@ def group_cpu_pack(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
                 (group_size % 4 == 0)
         bits 8: codes 0..255 -> packed uint8 [N / 16, K / 2, 32], chunk c of a 16-row tile holding
                 byte 2r + j = codes[r, 2c + j] (group_size % 2 == 0)
-        sz float32 [N / 16, G, 2, 16]: (scale, min) of each group of a tile's 16 rows
+        sz [N / 16, G, 2, 16]: (scale, min) of each group of a tile's 16 rows, float16 when every
+           scale and min is a float16 value exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: half the bytes
+           the kernel streams per group), else float32 (the K-quants' d * sc products)
 
     Returns (packed, sz) for :func:`group_weight_mm`."""
     if bits not in GROUP_BITS:
@@ -160,7 +162,12 @@ def group_cpu_pack(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
     else:
         weight = codes.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
         weight = weight.contiguous()
-    return weight, _tile_scales(scale, min, torch.float32)
+    return weight, _tile_scales(scale, min, torch.float16 if _exact_in_half(scale, min) else torch.float32)
+
+
+def _exact_in_half(*tensors: torch.Tensor) -> bool:
+    """Whether every value of float32 ``tensors`` survives a round trip through float16."""
+    return all(torch.equal(t.float().half().float(), t.float()) for t in tensors)
 
 
 def group_weight_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int,

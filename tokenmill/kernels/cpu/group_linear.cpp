@@ -18,7 +18,8 @@
 //           (low nibbles: k pair 2c, high nibbles: k pair 2c + 1; a 32-entry vpermw table gives bf16)
 //   bits 8: [N / 16, K / 2, 32], chunk c byte 2r + j = code[r, 2c + j] (xor 0x80 = code - 128 as int8,
 //           widened to int32, to float, two vectors packed to bfloat16 pairs)
-// and (scale, min) [N / 16, G, 2, 16] (float32; Tinygemm also bfloat16), read once per group.
+// and (scale, min) [N / 16, G, 2, 16] (float32, or float16 where every value is one exactly: GGUF's
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, half the bytes; Tinygemm also bfloat16), read once per group.
 //
 // Rounding: codes -> bfloat16 is exact, products are summed in float32 by vdpbf16ps; bfloat16 x is
 // used as is, float32 x is split into a bfloat16 high part and a bfloat16 low part (two products per
@@ -72,6 +73,7 @@ inline uint16_t float_to_bf16_bits(float f) { return c10::BFloat16(f).x; }
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
 
 // What every tile task reads.
 template <typename S>
@@ -599,7 +601,9 @@ torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& 
   auto xc = x.contiguous(), pc = packed.contiguous(), sc = sz.contiguous();
   if (sc.scalar_type() == torch::kFloat32)
     return run_x<float>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, generic);
-  TORCH_CHECK(sc.scalar_type() == torch::kBFloat16, "scales must be float32 or bfloat16");
+  if (sc.scalar_type() == torch::kHalf)
+    return run_x<c10::Half>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, generic);
+  TORCH_CHECK(sc.scalar_type() == torch::kBFloat16, "scales must be float32, float16 or bfloat16");
   return run_x<c10::BFloat16>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, generic);
 }
 
@@ -622,6 +626,7 @@ torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::
                   sz.size(3) == 16,
               "group_weight_linear: scales and mins must be [N / 16, K / group_size, 2, 16] = [", packed.size(0), ", ",
               K / group_size, ", 2, 16], got ", sz.sizes());
-  TORCH_CHECK(sz.scalar_type() == torch::kFloat32, "group_weight_linear: scales and mins must be float32");
+  TORCH_CHECK(sz.scalar_type() == torch::kFloat32 || sz.scalar_type() == torch::kHalf,
+              "group_weight_linear: scales and mins must be float32 or float16 (exact values only)");
   return grouped_codes_linear(x, packed, sz, group_size, bits, /*shift_min=*/true, path);
 }

@@ -70,3 +70,18 @@ def test_sigterm_drains_in_flight_requests(tiny_dir) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_port_already_taken_fails_the_process(tiny_dir) -> None:
+    """uvicorn runs in a second thread (the engine has the main one); its start-up failure must
+    still end the process with a non-zero status, not a quiet 0."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_dir), "--port", str(port),
+                               "--device", "cpu", "--dtype", "float32"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode != 0, done.stderr[-2000:]
+    assert "address already in use" in done.stderr

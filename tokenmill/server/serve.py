@@ -62,11 +62,18 @@ def serve(llm: LLM, config: ServerConfig) -> None:
     server = DrainingServer(uv, state)
     logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
 
+    exit_code: list[int] = []
+
     def serve_http() -> None:
         try:
             server.run()  # the lifespan's engine.start() is a no-op, its engine.stop() ends run_here()
+        except SystemExit as exc:  # uvicorn exits 1 when it cannot start (port taken, ...)
+            exit_code.append(exc.code if isinstance(exc.code, int) else 1)
+        except BaseException:
+            logger.exception("the HTTP server failed")
+            exit_code.append(1)
         finally:
-            state.engine.stop(timeout=0)  # also when uvicorn fails to start (port taken, ...)
+            state.engine.stop(timeout=0)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)
@@ -75,3 +82,5 @@ def serve(llm: LLM, config: ServerConfig) -> None:
     http.start()
     state.engine.run_here()
     http.join()
+    if exit_code and exit_code[0]:
+        raise SystemExit(exit_code[0])  # the process exits as uvicorn would have in the main thread

@@ -108,7 +108,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     quality = QualityCheck(args, loaded) if args.quality_tokens else None
     if args.sensitivity:
         config = _plan(args, config, loaded)
-    quantize(loaded, config, dtype=compute_dtype(args))
+    quantize(loaded, config, dtype=compute_dtype(args), cache_dir=args.cache_dir)
     out = save_quantized(loaded, args.out)
     print(f"wrote {out} ({config.method})")
     if quality is not None:

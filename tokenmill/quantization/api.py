@@ -97,7 +97,8 @@ def quantize(model: str | os.PathLike | CausalLM | LoadedModel | None, config: Q
         return quantize_model(model, config, target_dtype, progress)
     if isinstance(model, LoadedModel):
         target_dtype = resolve_dtype(dtype, model.model.embed.weight.device)
-        quantize_model(model.model, config, target_dtype, progress, model.tokenizer)
+        quantize_model(model.model, config, target_dtype, progress, model.tokenizer,
+                       Path(cache_dir) if cache_dir else None)
         return model
     resolved = resolve_device(device)
     target_dtype = resolve_dtype(dtype, resolved)

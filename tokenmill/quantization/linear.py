@@ -328,24 +328,17 @@ def int4_group_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                      importance: torch.Tensor | None = None) -> torch.Tensor:
     """Squared rounding error of groups w [..., g] under (scale, zero) [...], summed over each group
     and weighted per column by ``importance`` (broadcast against w; None: 1): float32 [...]."""
-    q = int4_round(w, scale, zero).float()
-    err = ((q - 8) * scale.float()[..., None] + zero.float()[..., None] - w) ** 2
-    return (err if importance is None else err * importance).sum(dim=-1)
+    w, scale, zero = w.float(), scale.float(), zero.float()
+    return _error(w, _levels(w, scale, zero), scale, zero, importance)
 
 
 def int4_fit_params(w: torch.Tensor, q: torch.Tensor, importance: torch.Tensor | None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted least-squares (scale, zero) [...] for fixed levels q [..., g]: the best w ~ (q - 8) * scale
     + zero; float32, or NaN where the levels are all equal (no scale can be fitted)."""
-    u = q.float() - 8
+    w = w.float()
     c = torch.ones_like(w) if importance is None else importance.expand_as(w)
-    n, su, sw = c.sum(-1), (c * u).sum(-1), (c * w).sum(-1)
-    suu, suw = (c * u * u).sum(-1), (c * u * w).sum(-1)
-    det = n * suu - su * su
-    ok = det > 1e-12 * n * n
-    scale = torch.where(ok, (n * suw - su * sw) / torch.where(ok, det, 1.0), float("nan"))
-    zero = (sw - scale * su) / n.clamp(min=1e-30)
-    return scale, zero
+    return _fit(w, q.float() - 8, importance, c.sum(-1), (c * w).sum(-1))
 
 
 SEARCH_CHUNK_ELEMENTS = 1 << 18

@@ -7,6 +7,9 @@ Requests: random token prompts of 32-1024 tokens and outputs of 16-512 tokens (u
 EOS ignored so both engines produce exactly the requested tokens. HF runs the requests in
 arrival order in batches of --max-batch, left-padded, each batch generating up to its longest
 output; only requested tokens count. Output tok/s = requested output tokens / wall time.
+Also reports the prompt-chunk steps' GFLOP/s (linear layers: 2 x decoder-layer linear parameters
+per prompt token) against this machine's measured bfloat16 GEMM peak (tokenmill's own kernel at
+2048^3, as ``bench/peers/decode_prefill_peers.py`` measures it).
 Prints the table, writes JSON and a PNG under bench/results/.
 """
 
@@ -14,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from torch import nn
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.loading.sources import resolve_model
@@ -57,6 +63,23 @@ def step_breakdown(stats) -> dict:
             "prefill_tokens": sum(s.num_batched_tokens for s in mixed)}
 
 
+def layer_linear_params(llm: LLM) -> int:
+    """Weights the decoder layers' linears multiply per token (the LM head runs only for sampled tokens)."""
+    from tokenmill.quantization.linear import QuantizedLinear
+
+    model = llm.engine.runner.model
+    return sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, (nn.Linear, QuantizedLinear)) and m is not model.lm_head)
+
+
+def prefill_gflops(llm: LLM, steps: dict, peak: dict) -> dict:
+    """GFLOP/s of the steps that ran prompt chunks (their decodes counted as time, not work: a floor)."""
+    flops = 2 * layer_linear_params(llm) * steps["prefill_tokens"]
+    gflops = flops / steps["prefill_seconds"] / 1e9 if steps["prefill_seconds"] else None
+    peak_gflops = peak.get("gflops")
+    return {"gflops": gflops, "bf16_peak": peak, "of_peak": gflops / peak_gflops if gflops and peak_gflops else None}
+
+
 def run_hf(model, requests, max_batch: int, pad_id: int) -> float:
     start = time.perf_counter()
     for i in tqdm(range(0, len(requests), max_batch), desc="hf static batches"):
@@ -92,9 +115,18 @@ def main() -> None:
     rows.append({"engine": "tokenmill", "seconds": elapsed, "output_tok_s": output_tokens / elapsed,
                  "steps": step_breakdown(llm.engine.stats)})
     b = rows[0]["steps"]
+    sys.path.insert(0, str(Path(__file__).parent / "peers"))
+    from decode_prefill_peers import bf16_peak
+
+    rows[0]["prefill"] = prefill = prefill_gflops(llm, b, bf16_peak(torch.get_num_threads(), calls=5))
+    peak_text = (f"{prefill['bf16_peak']['gflops']:.0f} GFLOP/s, {100 * prefill['of_peak']:.0f}% of it"
+                 if prefill["of_peak"] else prefill["bf16_peak"].get("skipped", "not measured"))
     print(f"tokenmill steps: {b['decode_steps']} decode-only ({b['decode_seconds']:.1f} s, mean batch "
           f"{b['decode_mean_batch']:.1f}, {b['decode_ms_per_step']:.1f} ms/step), {b['prefill_steps']} with "
           f"prompt chunks ({b['prefill_seconds']:.1f} s, {b['prefill_tokens']} tokens)", flush=True)
+    if prefill["gflops"]:
+        print(f"prompt-chunk steps: {b['prefill_tokens'] / b['prefill_seconds']:.0f} tok/s, "
+              f"{prefill['gflops']:.0f} GFLOP/s in the linears (bf16 peak {peak_text})", flush=True)
     print(f"tokenmill        {output_tokens / elapsed:8.1f} output tok/s  ({elapsed:.1f} s)", flush=True)
     if not args.no_hf:
         import transformers
@@ -108,9 +140,20 @@ def main() -> None:
         print(f"hf-transformers  {output_tokens / elapsed:8.1f} output tok/s  ({elapsed:.1f} s)", flush=True)
         print(f"ratio tokenmill / hf: x{rows[0]['output_tok_s'] / rows[1]['output_tok_s']:.2f}")
     RESULTS.mkdir(exist_ok=True)
-    result = {"args": vars(args), "output_tokens": output_tokens, "runs": rows}
+    result = {"args": vars(args), "cpu": _cpu_name(), "threads": torch.get_num_threads(),
+              "output_tokens": output_tokens, "runs": rows}
     (RESULTS / "offline_throughput.json").write_text(json.dumps(result, indent=2))
     _plot(rows)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _plot(rows) -> None:

@@ -8,8 +8,13 @@ Kernels, all on the same shapes with bfloat16 x and bfloat16 out:
     int4     int4_weight_linear, tokenmill's own int4 (w = (q - 8) * scale + zero, bfloat16 scales),
              on group_linear.cpp's kernel
     group4   group_weight_linear bits 4 (w = code * scale + min, codes 0..15: Q4_1 / Q4_K)
-    group8   group_weight_linear bits 8 (codes 0..255: Q8_0's layout, Q5 / Q6 codes)
-all with --group-size input columns per group (32: Q4_0 .. Q8_0, Q4_K, Q5_K; 16: Q6_K).
+    group7   group_weight_linear bits 7 (codes 0..127, a byte each: Q5_0, Q5_1, Q5_K, Q6_K)
+    group8   group_weight_linear bits 8 (codes 0..255: Q8_0)
+all with --group-size input columns per group (32: Q4_0 .. Q8_0, Q4_K, Q5_K; 16: Q6_K), and
+    int8     tokenmill's int8 (``Int8Linear`` with bfloat16 scales: symmetric codes, one scale per
+             output channel), on the grouped kernel with one group per row
+    int8fma  int8_weight_linear, the per-channel int8 kernel float32 activations keep (int8 -> float32,
+             one float32 fma per weight)
 --mins asymmetric (default): random mins of both signs, the K-quants' and Q4_1's case (the
 many-rows schedule then pays two fmas per group end); symmetric: min = -offset * scale (Q4_0,
 Q8_0: the folded minimum is 0 and its fma skipped).
@@ -34,11 +39,12 @@ import torch
 
 from tokenmill.kernels import dispatch
 from tokenmill.quantization import kernels as qk
+from tokenmill.quantization.linear import Int8Linear
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = [("smollm2 qkv", 576, 1536), ("smollm2 gate_up", 576, 3072), ("smollm2 down", 1536, 576),
           ("gemma 640->2048", 640, 2048), ("gemma 2048->640", 2048, 640), ("gemma 1024->640", 1024, 640)]
-KERNELS = ["bf16", "int4", "group4", "group8"]
+KERNELS = ["bf16", "int4", "group4", "group7", "group8", "int8", "int8fma"]
 
 
 def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
@@ -52,17 +58,21 @@ def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
     zero = (torch.randn(n, groups, generator=g) * 0.01).bfloat16()
     int4 = qk.int4_cpu_pack(qk.pack_nibbles(q), scale, zero)
     grouped = {}
-    for bits, largest, offset in ((4, 15, 8), (8, 255, 128)):
+    for bits, largest, offset in ((4, 15, 8), (7, 31, 16), (8, 255, 128)):
         codes = torch.randint(0, largest + 1, (n, k), generator=g, dtype=torch.uint8)
         s = torch.randn(n, groups, generator=g) * 0.01
         mins = -offset * s if symmetric else torch.randn(n, groups, generator=g) * 0.01 * offset
         grouped[bits] = qk.group_cpu_pack(codes, s, mins, bits)
+    int8 = Int8Linear.from_float(torch.randn(n, k, generator=g) * k ** -0.5, None, torch.bfloat16)
     empty = torch.empty(0)
     return {
         "bf16": lambda x: ops.bf16_packed_linear(x, bf16, n, empty),
         "int4": lambda x: ops.int4_weight_linear(x, int4[0], int4[1], group),
         "group4": lambda x: ops.group_weight_linear(x, grouped[4][0], grouped[4][1], group, 4),
+        "group7": lambda x: ops.group_weight_linear(x, grouped[7][0], grouped[7][1], group, 7),
         "group8": lambda x: ops.group_weight_linear(x, grouped[8][0], grouped[8][1], group, 8),
+        "int8": int8.matmul,
+        "int8fma": lambda x: ops.int8_weight_linear(x, int8.qweight, int8.scale),
     }
 
 

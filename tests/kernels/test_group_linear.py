@@ -14,7 +14,7 @@ from tokenmill.kernels.linear_spec import CpuLinearSpec, LinearKind
 from tokenmill.quantization import kernels as qk
 
 ops = require_kernels()
-LARGEST = {4: 15, 8: 255}
+LARGEST = {4: 15, 7: 127, 8: 255}
 
 
 def _weights(n: int, k: int, group_size: int, bits: int, seed: int):
@@ -49,7 +49,7 @@ MS = [1, 2, 3, 4, 5, 8, 17, 33, 64, 257]
 
 
 @pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 16), (8, 32), (8, 16)])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 16), (7, 32), (7, 16), (8, 32), (8, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("path", ["FASTEST", "PORTABLE"], ids=["avx512", "portable"])
 def test_matches_float64_reference(path, dtype, bits, group_size, m):
@@ -63,7 +63,7 @@ def test_matches_float64_reference(path, dtype, bits, group_size, m):
     _check(got, expected, dtype)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 7, 8])
 def test_larger_shape_and_the_python_entry_point(bits):
     n, k, group_size = 320, 576, 32
     codes, scale, mins = _weights(n, k, group_size, bits, seed=5)
@@ -89,7 +89,7 @@ def test_symmetric_mins_take_the_same_sums(bits):
         assert torch.equal(ops.group_weight_linear(x[i:i + 1], packed, sz, group_size, bits)[0], together[i])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 7, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits):
     n, k, group_size = 80, 192, 32
@@ -152,7 +152,7 @@ def test_bad_shapes_are_rejected():
     codes, scale, mins = _weights(16, 64, 32, 8, seed=6)
     packed, sz = qk.group_cpu_pack(codes, scale, mins, 8)
     x = torch.zeros(1, 64).bfloat16()
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+    with pytest.raises(RuntimeError, match="bits must be 4, 7 or 8"):
         ops.group_weight_linear(x, packed, sz, 32, 5)
     with pytest.raises(RuntimeError, match="columns"):
         ops.group_weight_linear(torch.zeros(1, 32).bfloat16(), packed, sz, 32, 8)
@@ -174,7 +174,9 @@ def test_bad_shapes_are_rejected():
         qk.group_cpu_pack(codes[:8], scale[:8], mins[:8], 8)
     with pytest.raises(ValueError, match=r"in 0\.\.15"):
         qk.group_cpu_pack(codes, scale, mins, 4)
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    with pytest.raises(ValueError, match=r"bits 7 codes must be in 0\.\.127"):
+        qk.group_cpu_pack(codes | 128, scale, mins, 7)
+    with pytest.raises(ValueError, match="bits must be 4, 7 or 8"):
         qk.group_cpu_pack(codes, scale, mins, 6)
     with pytest.raises(ValueError, match="groups of a multiple of 4"):
         qk.group_cpu_pack(codes & 15, torch.zeros(16, 32), torch.zeros(16, 32), 4)  # group_size 2
@@ -190,7 +192,7 @@ def test_group_weight_mm_needs_the_kernels(monkeypatch):
         qk.group_weight_mm(torch.zeros(1, 64), packed, sz, 32, 4)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 7, 8])
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_decode_stack_linear_matches_group_weight_mm(m, bits):
     """A GROUPED Linear (what DecodeStack.run multiplies by) pads x to in_features, cuts the padded
@@ -213,7 +215,7 @@ def test_grouped_linear_checks_its_fields():
     codes, scale, mins = _weights(16, 64, 32, 8, seed=8)
     packed, sz = qk.group_cpu_pack(codes, scale, mins, 8)
     kw = dict(kind=ops.LinearKind.GROUPED, weight=packed, out_features=16, in_features=64)
-    with pytest.raises(RuntimeError, match="bits 4 or 8"):
+    with pytest.raises(RuntimeError, match="bits 4, 7 or 8"):
         ops.Linear(**kw, scales=sz, group_size=32)
     with pytest.raises(RuntimeError, match="scales"):
         ops.Linear(**kw, group_size=32, bits=8)

@@ -38,7 +38,7 @@ def test_grouped_spec_invariants():
         CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w, group_size=48,
                       bits=4)
     for bits in (0, 5, 16):
-        with pytest.raises(ValueError, match="bits 4 or 8"):
+        with pytest.raises(ValueError, match="bits 4, 7 or 8"):
             CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w,
                           group_size=32, bits=bits)
     spec = CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w,

@@ -201,7 +201,7 @@ def test_grouped_linear_spec_for_the_decode_stack() -> None:
     weight = gguf_groups(torch.from_numpy(random_blocks(Q.Q6_K, (40, 256), rng, False)), Q.Q6_K, (40, 256))
     spec = GroupedLinear.from_gguf(weight).cpu_kernel_spec()
     assert spec.kind is LinearKind.GROUPED and (spec.out_features, spec.in_features) == (40, 256)
-    assert (spec.group_size, spec.bits) == (16, 8)
+    assert (spec.group_size, spec.bits) == (16, 7)
 
 
 # --------------------------------------------------------------------------- a tiny GGUF of every type
@@ -216,15 +216,16 @@ def test_tiny_gguf_of_every_type_loads_natively(every_type_gguf: Path, caplog: p
         native = load_gguf_native(source(every_type_gguf)).model
     assert_all_native(native)
     layer0, layer1 = native.layers[0], native.layers[1]
-    assert (layer0.attn.qkv.group_size, layer0.attn.qkv.bits) == (32, 8)  # Q4_0 + Q4_1 + Q5_0
+    assert (layer0.attn.qkv.group_size, layer0.attn.qkv.bits) == (32, 7)  # Q4_0 + Q4_1 + Q5_0
     assert (layer1.attn.qkv.group_size, layer1.attn.qkv.bits) == (16, 8)  # Q6_K + Q8_0 + Q4_K
-    assert (layer1.mlp.gate_up.group_size, layer1.mlp.gate_up.bits) == (32, 8)  # Q5_1 + Q4_0
+    assert (layer1.mlp.gate_up.group_size, layer1.mlp.gate_up.bits) == (32, 7)  # Q5_1 + Q4_0
     assert (layer1.mlp.down.bits, native.lm_head.bits) == (4, 8)  # Q4_1; the tied head, Q8_0
     assert native.embed.weight.dtype == torch.bfloat16 and native.layers[0].attn_norm.weight.dtype == torch.bfloat16
     lines = {r.getMessage() for r in caplog.records if r.name == "tokenmill.loading"}
-    for expected in ["GGUF Q4_0: 2 tensors native (grouped int4 kernel)", "GGUF Q5_0: 1 tensor native (grouped int8 kernel)",
-                     "GGUF Q6_K: 2 tensors native (grouped int8 kernel)", "GGUF F32: 5 tensors as float",
-                     "GGUF Q8_0: 3 tensors native (grouped int8 kernel), token_embd.weight also dequantized for "
+    for expected in ["GGUF Q4_0: 2 tensors native (grouped kernel, 4-bit codes)",
+                     "GGUF Q5_0: 1 tensor native (grouped kernel, 7-bit codes)",
+                     "GGUF Q6_K: 2 tensors native (grouped kernel, 7-bit codes)", "GGUF F32: 5 tensors as float",
+                     "GGUF Q8_0: 3 tensors native (grouped kernel, 8-bit codes), token_embd.weight also dequantized for "
                      "the embedding lookup"]:
         assert expected in lines
 
@@ -252,7 +253,7 @@ def test_other_types_stay_float_and_an_untied_head_is_native(tmp_path: Path,
     assert type(native.embed) is nn.Embedding
     lines = {r.getMessage() for r in caplog.records}
     assert {"GGUF Q2_K: 1 tensor dequantized to float", "GGUF F16: 4 tensors as float",
-            "GGUF Q4_0: 2 tensors native (grouped int4 kernel), 1 tensor dequantized to float"} <= lines
+            "GGUF Q4_0: 2 tensors native (grouped kernel, 4-bit codes), 1 tensor dequantized to float"} <= lines
     ref = load_float_model(source(path), torch.float32).model
     assert_same_weights(native, ref)
     ids = list(range(10, 200, 9))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernel_utils import kernels_or_none, off_reason
 from tokenmill.errors import UnsupportedModelError
+from tokenmill.kernels.linear_spec import LinearKind
 from tokenmill.quantization import kernels
 from tokenmill.quantization.linear import (
     Int4Linear,
@@ -39,6 +41,27 @@ def test_int8_kernel_matches_dequantized_reference(dtype, m):
     x = _x(m, 256, dtype)
     _close(layer(x), x.float() @ layer.dequantize().T, dtype)
     assert layer.qweight.dtype == torch.int8 and layer.qweight.abs().max() <= 127
+
+
+def test_bfloat16_int8_runs_on_the_grouped_kernel_with_the_same_products():
+    """bfloat16 int8 layers take the grouped kernel (one group per row, exact codes): the result is
+    the per-channel kernel's sum of the same exact products up to summation order, rounded once to
+    bfloat16, and a row's result does not depend on the rows beside it (N = 40: padded rows cut)."""
+    ops = kernels_or_none()
+    if ops is None or not ops.group_linear_fast():
+        pytest.skip(off_reason() or "the grouped CPU kernel needs AVX-512 BF16")
+    layer = Int8Linear.from_float(_weight(n=40), torch.randn(40), torch.bfloat16)
+    spec = layer.cpu_kernel_spec()
+    assert spec.kind is LinearKind.GROUPED and (spec.bits, spec.group_size, spec.out_features) == (8, 256, 40)
+    x = _x(70, 256, torch.bfloat16)
+    product = layer.matmul(x)  # before the bias: one rounding to bfloat16
+    exact = x.double() @ layer.dequantize().double().T
+    assert ((product.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5 * exact.abs().max()).all()
+    per_channel = kernels.int8_weight_mm(x, layer.qweight, layer.scale)
+    assert (product.float() - per_channel.float()).abs().max() <= 2 ** -7 * per_channel.float().abs().max()
+    together = layer(x)
+    for i in (0, 9, 69):
+        assert torch.equal(layer(x[i:i + 1])[0], together[i])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -120,3 +120,13 @@ def for_int4(device: torch.device | str) -> ModuleType | None:
         return None
     ops = cpu_ops()
     return ops if ops is not None and ops.int4_linear_fast() else None
+
+
+def for_grouped(device: torch.device | str) -> ModuleType | None:
+    """:func:`cpu_ops` for a weight on ``device`` that could take the grouped-codes kernel
+    (``group_weight_linear``) instead of its own: on CPU, when that kernel has its fast path in this
+    build (AVX-512 BF16); else None."""
+    if torch.device(device).type != "cpu":
+        return None
+    ops = cpu_ops()
+    return ops if ops is not None and ops.group_linear_fast() else None

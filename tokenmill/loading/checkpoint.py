@@ -197,7 +197,7 @@ def _log_types(gguf: GGUFFile, native: Collection[str]) -> None:
         own = [n for n in gguf.tensor_names if gguf.tensor_info(n)[0] == qtype and n in native]
         how = []
         if own:
-            how.append(f"{_tensors(len(own))} native (grouped int{CODE_BITS[qtype]} kernel)")
+            how.append(f"{_tensors(len(own))} native (grouped kernel, {CODE_BITS[qtype]}-bit codes)")
             if "token_embd.weight" in own:
                 how.append("token_embd.weight also dequantized for the embedding lookup")
         if count > len(own):

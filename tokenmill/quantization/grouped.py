@@ -1,7 +1,7 @@
 """A linear layer over GGUF's quantized weights as the file stores them: no requantization, no rounding.
 
     GroupedLinear   w[n, k] = code[n, k] * scale[n, k // group_size] + min[n, k // group_size]
-                    codes 0..15 (bits 4) or 0..255 (bits 8), scale and min float32
+                    codes 0..15 (bits 4), 0..127 (bits 7) or 0..255 (bits 8), scale and min float32
 
 which is exactly every GGUF type of ``tokenmill.loading.gguf_groups.NATIVE_TYPES`` (Q4_0 ... Q8_0,
 Q4_K, Q5_K, Q6_K), or a fused projection of several of them (one group size, the smallest; codes in
@@ -11,7 +11,7 @@ Its persistent buffers are the CPU kernel's own layout, built by ``kernels.group
 :class:`~tokenmill.loading.gguf_groups.GroupedWeight` (rows padded with zero codes, scales and mins
 to a multiple of 16, the extra output columns cut)::
 
-    packed  uint8 [Np / 16, K / 4, 32] (bits 4, two codes a byte) or [Np / 16, K / 2, 32] (bits 8)
+    packed  uint8 [Np / 16, K / 4, 32] (bits 4, two codes a byte) or [Np / 16, K / 2, 32] (bits 7, 8)
     sz      float16 or float32 [Np / 16, K / group_size, 2, 16]: (scale, min) of each group of a tile's
             16 rows, float16 where every value is one exactly (group_cpu_pack decides)
 
@@ -36,7 +36,7 @@ from tokenmill.quantization.linear import QuantizedLinear
 
 ROW_TILE = 16
 """Output channels per tile of the kernel's layout: the rows are padded to a multiple of it."""
-CODES_PER_CHUNK_ROW = {4: 4, 8: 2}
+CODES_PER_CHUNK_ROW = {4: 4, 7: 2, 8: 2}
 """bits -> input columns per 2 bytes of a 32-byte chunk (the packed layout's second dimension is K / this)."""
 
 
@@ -69,7 +69,7 @@ class GroupedLinear(QuantizedLinear):
     def __init__(self, packed: torch.Tensor, sz: torch.Tensor, out_features: int, group_size: int, bits: int,
                  bias: torch.Tensor | None = None) -> None:
         if bits not in CODES_PER_CHUNK_ROW:
-            raise ValueError(f"GroupedLinear: bits must be 4 or 8, got {bits}")
+            raise ValueError(f"GroupedLinear: bits must be 4, 7 or 8, got {bits}")
         super().__init__(packed.shape[1] * CODES_PER_CHUNK_ROW[bits], out_features, bias)
         if group_size <= 0 or self.in_features % group_size or sz.shape[1] * group_size != self.in_features:
             raise ValueError(f"GroupedLinear: {sz.shape[1]} groups of {group_size} do not make {self.in_features} "

@@ -11,7 +11,7 @@ q in 0..15 and one (scale, zero) per group of ``group_size`` input columns; the 
 repacked once into each device's own layout (``_convert_weight_to_int4pack_for_cpu`` /
 ``_convert_weight_to_int4pack``) and multiplied by ``_weight_int4pack_mm_for_cpu`` /
 ``_weight_int4pack_mm`` with ``scales_and_zeros [K / group_size, N, 2]``.
-Grouped codes (GGUF's Q4_0 .. Q8_0 and K-quants, ``w = code * scale + min``, bits 4 or 8): on CPU
+Grouped codes (GGUF's Q4_0 .. Q8_0 and K-quants, ``w = code * scale + min``, bits 4, 7 or 8): on CPU
 tokenmill's ``group_weight_linear`` (tokenmill/kernels/cpu/group_linear.cpp, layout built by
 :func:`group_cpu_pack`), the same kernel as INT4's.
 W8A8: ``torch._int_mm(x_int8 [M, K], w_int8 [N, K].t())`` -> int32 [M, N]. On CPU it is oneDNN's
@@ -119,7 +119,7 @@ def int4_cpu_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor)
     return weight, _tile_scales(scale, zero, dtype)
 
 
-GROUP_BITS = {4: (4, 15), 8: (2, 255)}
+GROUP_BITS = {4: (4, 15), 7: (2, 127), 8: (2, 255)}
 """bits -> (input columns per 32-byte chunk of a 16-row tile, largest code)."""
 
 
@@ -135,13 +135,14 @@ def group_cpu_pack(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
                 (group_size % 4 == 0)
         bits 8: codes 0..255 -> packed uint8 [N / 16, K / 2, 32], chunk c of a 16-row tile holding
                 byte 2r + j = codes[r, 2c + j] (group_size % 2 == 0)
+        bits 7: codes 0..127, bits 8's layout (the kernel widens them in 2 instructions, not 6)
         sz [N / 16, G, 2, 16]: (scale, min) of each group of a tile's 16 rows, float16 when every
            scale and min is a float16 value exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: half the bytes
            the kernel streams per group), else float32 (the K-quants' d * sc products)
 
     Returns (packed, sz) for :func:`group_weight_mm`."""
     if bits not in GROUP_BITS:
-        raise ValueError(f"group_cpu_pack: bits must be 4 or 8, got {bits}")
+        raise ValueError(f"group_cpu_pack: bits must be 4, 7 or 8, got {bits}")
     per_chunk, largest = GROUP_BITS[bits]
     if codes.dim() != 2 or codes.dtype != torch.uint8:
         raise ValueError(f"group_cpu_pack: codes must be uint8 [N, K], got {codes.dtype} {tuple(codes.shape)}")
@@ -163,6 +164,18 @@ def group_cpu_pack(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
         weight = codes.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
         weight = weight.contiguous()
     return weight, _tile_scales(scale, min, torch.float16 if _exact_in_half(scale, min) else torch.float32)
+
+
+def int8_grouped_pack(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A symmetric per-channel int8 weight (``w = q * scale[n]``, q int8 [N, K]) as grouped codes
+    with one group per row (code q + 128, scale, min -128 scale: exact), rows padded to a multiple of
+    16, for :func:`group_weight_mm` with group_size K and bits 8."""
+    pad = -qweight.shape[0] % 16
+    codes = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    s = scale.float()[:, None]
+    if pad:
+        codes, s = torch.nn.functional.pad(codes, (0, 0, 0, pad)), torch.nn.functional.pad(s, (0, 0, 0, pad))
+    return group_cpu_pack(codes, s, -128 * s, 8)
 
 
 def _exact_in_half(*tensors: torch.Tensor) -> bool:

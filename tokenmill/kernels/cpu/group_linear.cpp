@@ -2,14 +2,20 @@
 // group of group_size input columns and output channel. Built at first use by
 // tokenmill/kernels/cpu_ops.py. Two conventions share everything below:
 //   Grouped  (group_weight_linear):  w[n, k] = code[n, k] * scale[n, g] + min[n, g],  g = k / group_size,
-//            codes 0..15 (bits 4) or 0..255 (bits 8): the GGUF types (Q4_0 .. Q8_0, Q4_K .. Q6_K) exactly;
+//            codes 0..15 (bits 4), 0..127 (bits 7, one a byte) or 0..255 (bits 8): the GGUF types
+//            (Q4_0 .. Q8_0, Q4_K .. Q6_K) exactly;
 //   Tinygemm (int4_weight_linear, int4_linear.cpp): w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g].
-// The kernel multiplies by signed codes c = code - o (o = 8 for 4 bits, 128 for 8 bits; Tinygemm's
-// q - 8 is that with o = 8), which bfloat16 holds exactly, and folds the offset into the minimum:
+// The kernel multiplies by codes shifted to c = code - o (o = 8 for 4 bits, 128 for 8 bits, -128 for
+// 7 bits; Tinygemm's q - 8 is that with o = 8), which bfloat16 holds exactly, and folds the offset
+// into the minimum:
 //   w = c * scale + mn,  mn = min + o * scale (Grouped, one float32 fma per group), mn = zero (Tinygemm)
 //   out[m, n] = sum_g scale[n, g] * (sum_{k in g} c[n, k] x[m, k]) + mn[n, g] * sx[m, g]
 // with sx[m, g] the sum of x over the group as the products see it. Signed codes keep the group sums
 // small where a symmetric type's min cancels its codes' offset (Q8_0: code q + 128, min -128 d: mn = 0).
+// Bits 7 (Q5_0, Q5_1, Q5_K, Q6_K: codes below 64) trade that for speed: a byte code u < 128 OR'd
+// into the bits of bfloat16 128.0 (0x4300) is bfloat16 128 + u exactly (the binade [128, 256) has a
+// spacing of 1), so a chunk widens in 2 instructions against 6 for int8 -> int32 -> float ->
+// bfloat16. The sums then carry 128 sx, taken out again by mn (float32: a few ulp of 128 |x|).
 //
 // Layouts (tokenmill.quantization.kernels.int4_cpu_pack / group_cpu_pack): output channels in tiles
 // of 16, a tile's codes in 32-byte chunks that widen to 32 words = "16 rows x one pair of k", what
@@ -18,6 +24,7 @@
 //           (low nibbles: k pair 2c, high nibbles: k pair 2c + 1; a 32-entry vpermw table gives bf16)
 //   bits 8: [N / 16, K / 2, 32], chunk c byte 2r + j = code[r, 2c + j] (xor 0x80 = code - 128 as int8,
 //           widened to int32, to float, two vectors packed to bfloat16 pairs)
+//   bits 7: bits 8's layout, each byte widened to a word and OR'd with 0x4300 (bfloat16 128 + code)
 // and (scale, min) [N / 16, G, 2, 16] (float32, or float16 where every value is one exactly: GGUF's
 // Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, half the bytes; Tinygemm also bfloat16), read once per group.
 //
@@ -88,8 +95,8 @@ struct Problem {
   bool shift_min;      // Grouped: mn = min + o * scale; Tinygemm: mn = zero
 };
 
-// The signed codes' offset o.
-inline int code_offset(int bits) { return bits == 4 ? 8 : 128; }
+// The codes' offset o: the kernel multiplies by code - o.
+inline int code_offset(int bits) { return bits == 4 ? 8 : bits == 7 ? -128 : 128; }
 
 // x as the kernels take it: bfloat16 bits (high and, for float32 x, low parts) and group sums, each
 // row by itself (rows in parallel), so a row's values do not depend on the batch.
@@ -205,6 +212,15 @@ struct Unpack<8> {
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
     v[0] = _mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo, 16..31 from hi
+  }
+};
+
+template <>
+struct Unpack<7> {
+  static constexpr int kPairs = 1;
+  inline void operator()(const uint8_t* chunk, __m512bh* v) const {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+    v[0] = (__m512bh)_mm512_or_si512(b, _mm512_set1_epi16(0x4300));  // bfloat16 128 + code, code < 128
   }
 };
 
@@ -564,11 +580,13 @@ void run(const Problem<S>& p, T* y, bool generic) {
       const auto* xp = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
       at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
         if (p.bits == 4) tiles_many_rows<4>(p, xp, rb, begin, end, y);
+        else if (p.bits == 7) tiles_many_rows<7>(p, xp, rb, begin, end, y);
         else tiles_many_rows<8>(p, xp, rb, begin, end, y);
       });
     } else {
       at::parallel_for(0, tiles, few_rows_tiles(p.M), [&](int64_t begin, int64_t end) {
         if (p.bits == 4) tiles_few_rows<4>(p, begin, end, y);
+        else if (p.bits == 7) tiles_few_rows<7>(p, begin, end, y);
         else tiles_few_rows<8>(p, begin, end, y);
       });
     }
@@ -609,7 +627,7 @@ torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& 
 
 torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,
                                   int64_t bits, KernelPath path) {
-  TORCH_CHECK(bits == 4 || bits == 8, "group_weight_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 7 || bits == 8, "group_weight_linear: bits must be 4, 7 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2, "group_weight_linear: x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "group_weight_linear: x must be float32 or bfloat16");

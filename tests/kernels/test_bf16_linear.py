@@ -48,6 +48,15 @@ def test_matches_float64_reference_as_well_as_onednn(m, n, k, bias):
     assert (got != onednn).float().mean() < 0.02  # differ only where float32 summation order flips a rounding
 
 
+def test_float32_out_holds_the_bfloat16_outputs_exactly():
+    """out_float32 (logits): the bfloat16 outputs, bias included, widened; N = 300 ends in a partial tile."""
+    x, w, b = _case(13, 300, 576)
+    packed = kernels.bf16_pack(w)
+    wide = kernels.bf16_packed_linear(x, packed, 300, b, out_float32=True)
+    assert wide.dtype == torch.float32 and wide.shape == (13, 300)
+    assert torch.equal(wide, kernels.bf16_packed_linear(x, packed, 300, b).float())
+
+
 def test_rows_do_not_depend_on_the_batch_nor_the_threads():
     x, w, b = _case(37, 300, 576)
     packed = kernels.bf16_pack(w)

@@ -63,6 +63,20 @@ def test_matches_float64_reference(path, dtype, bits, group_size, m):
     _check(got, expected, dtype)
 
 
+@pytest.mark.parametrize("path", ["FASTEST", "PORTABLE"], ids=["avx512", "portable"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_float32_out_holds_the_bfloat16_outputs_exactly(m, path):
+    """out_float32 with bfloat16 x (logits): the very values of the bfloat16 output, widened."""
+    n, k, group_size = 48, 128, 32
+    codes, scale, mins = _weights(n, k, group_size, 8, seed=m)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, 8)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    kernel_path = ops.KernelPath[path]
+    wide = ops.group_weight_linear(x, packed, sz, group_size, 8, out_float32=True, path=kernel_path)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide, ops.group_weight_linear(x, packed, sz, group_size, 8, path=kernel_path).float())
+
+
 @pytest.mark.parametrize("bits", [4, 7, 8])
 def test_larger_shape_and_the_python_entry_point(bits):
     n, k, group_size = 320, 576, 32

@@ -230,6 +230,15 @@ def test_tiny_gguf_of_every_type_loads_natively(every_type_gguf: Path, caplog: p
         assert expected in lines
 
 
+def test_the_native_head_writes_float32_logits_of_the_bfloat16_values(every_type_gguf: Path) -> None:
+    """compute_logits takes the grouped head's float32 output: the bfloat16 logits, widened."""
+    native = load_gguf_native(source(every_type_gguf)).model
+    h = torch.randn(5, native.config.hidden_size).bfloat16()
+    logits = native.compute_logits(h)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, native.lm_head(native.norm(h)).float())
+
+
 def test_tiny_gguf_of_every_type_matches_its_dequantized_model(every_type_gguf: Path) -> None:
     ids = list(range(3, 250, 7))
     ref = load_float_model(source(every_type_gguf), torch.float32).model

@@ -62,6 +62,10 @@ def test_bfloat16_int8_runs_on_the_grouped_kernel_with_the_same_products():
     together = layer(x)
     for i in (0, 9, 69):
         assert torch.equal(layer(x[i:i + 1])[0], together[i])
+    # an LM head's logits: the same values written as float32 by the kernel (with a bias: converted)
+    head = Int8Linear.from_float(_weight(n=40), None, torch.bfloat16)
+    assert torch.equal(head.forward_float32(x), head(x).float()) and head.forward_float32(x).dtype == torch.float32
+    assert torch.equal(layer.forward_float32(x), together.float())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

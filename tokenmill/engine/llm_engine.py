@@ -20,6 +20,7 @@ import torch
 from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.attention.kv_quant import storage_dtype
 from tokenmill.config import layer_groups
+from tokenmill.engine.allocator import keep_large_buffers
 from tokenmill.engine.config import CacheConfig, EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, SequenceInput
@@ -41,6 +42,8 @@ logger = logging.getLogger("tokenmill.engine")
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, device: torch.device, config: EngineConfig = EngineConfig()) -> None:
         self.model_config, self.tokenizer, self.config, self.device = loaded.config, loaded.tokenizer, config, device
+        if config.keep_large_buffers and device.type == "cpu":
+            keep_large_buffers()
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.kv, cache = self._init_kv_cache(loaded, config.cache, device)
@@ -223,7 +226,8 @@ class LLMEngine:
                 self.scheduler.add_running(child)
                 rows.append(row)
                 seqs.append(child)
-        return logits[rows], seqs
+        # no fork (every step but a parallel sample's first): the logits as they are, not a copy
+        return (logits if rows == list(range(logits.shape[0])) else logits[rows]), seqs
 
     def _wants_prompt_logprobs(self, item: ScheduledSequence) -> bool:
         """Only the first sample, and only while the prompt logprobs are still being filled in order."""

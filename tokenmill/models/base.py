@@ -88,9 +88,17 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         h = self.norm(hidden)
-        if self.lm_head is not None:  # its own module: a quantized head multiplies in low precision
-            return linear(self.lm_head, h).float()
-        logits = packed_bf16_linear(self.embed, self.embed.weight, None, h)
-        if logits is None:
-            logits = torch.nn.functional.linear(h, self.embed.weight)
-        return logits.float()
+        head = self.lm_head
+        if head is None:  # tied: the embedding matrix
+            logits = packed_bf16_linear(self.embed, self.embed.weight, None, h, out_float32=True)
+            return torch.nn.functional.linear(h, self.embed.weight).float() if logits is None else logits
+        # Heads whose kernel writes float32 directly (the bfloat16-rounded values, widened) skip a
+        # conversion pass over [rows, vocab]: a quantized head's forward_float32, a dense one's packed kernel.
+        direct = getattr(head, "forward_float32", None)
+        if direct is not None:
+            return direct(h)
+        if type(head) is nn.Linear and not (head._forward_pre_hooks or head._forward_hooks):
+            logits = packed_bf16_linear(head, head.weight, head.bias, h, out_float32=True)
+            if logits is not None:
+                return logits
+        return linear(head, h).float()

@@ -35,11 +35,12 @@ def packed_bf16_weight(owner: nn.Module, weight: torch.Tensor, ops) -> torch.Ten
 
 
 def packed_bf16_linear(owner: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
-                       x: torch.Tensor) -> torch.Tensor | None:
+                       x: torch.Tensor, out_float32: bool = False) -> torch.Tensor | None:
     """x @ weight.T (+ bias) by tokenmill's bfloat16 CPU kernel over a packed copy of the weight
     kept on ``owner`` (tokenmill/kernels/cpu/bf16_linear.cpp): 2.6-4x oneDNN's speed at 1 row,
     1.3x at 32, the same at 2048, and a row's result independent of the other rows of the batch.
-    None where it does not apply (not bfloat16, not CPU, gradients wanted, no AVX-512 BF16)."""
+    None where it does not apply (not bfloat16, not CPU, gradients wanted, no AVX-512 BF16).
+    ``out_float32``: the same bfloat16-rounded values, stored as float32 (logits)."""
     if x.dtype != torch.bfloat16:
         return None
     ops = dispatch.for_inference(x, weight)
@@ -47,7 +48,7 @@ def packed_bf16_linear(owner: nn.Module, weight: torch.Tensor, bias: torch.Tenso
     if packed is None:
         return None
     out = ops.bf16_packed_linear(x.reshape(-1, x.shape[-1]), packed, weight.shape[0],
-                                 _NO_BIAS if bias is None else bias)
+                                 _NO_BIAS if bias is None else bias, out_float32=out_float32)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -115,12 +115,20 @@ class GroupedLinear(QuantizedLinear):
         return self
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, out_float32=False)
+
+    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, out_float32=True).float()
+
+    def _matmul(self, x: torch.Tensor, out_float32: bool) -> torch.Tensor:
+        """``out_float32``: with bfloat16 x, the kernel writes its rounded outputs as float32."""
         if not self._prepared:
             raise RuntimeError("GroupedLinear used before prepare()")
         if self._ops is None:  # no kernel here: the reference path
             return F.linear(x, self.dequantize().to(device=x.device, dtype=x.dtype))
         if x.dtype in dispatch.KERNEL_DTYPES:
-            y = kernels.group_weight_mm(x.contiguous(), self.packed, self.sz, self.group_size, self.bits)
+            y = kernels.group_weight_mm(x.contiguous(), self.packed, self.sz, self.group_size, self.bits,
+                                        out_float32)
         else:  # float16 and others: in float32
             y = kernels.group_weight_mm(x.float().contiguous(), self.packed, self.sz, self.group_size,
                                         self.bits).to(x.dtype)

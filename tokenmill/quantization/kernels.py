@@ -184,11 +184,12 @@ def _exact_in_half(*tensors: torch.Tensor) -> bool:
 
 
 def group_weight_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int,
-                    bits: int) -> torch.Tensor:
+                    bits: int, out_float32: bool = False) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 on CPU -> x @ w^T [M, N] in x's dtype, w the grouped codes that
-    :func:`group_cpu_pack` packed into (packed, sz); tokenmill's ``group_weight_linear``."""
+    :func:`group_cpu_pack` packed into (packed, sz); tokenmill's ``group_weight_linear``.
+    ``out_float32``: float32 out, the very values of the bfloat16 one (rounded, then widened)."""
     ops = dispatch.cpu_ops()
     if ops is None:
         raise RuntimeError("group_weight_mm needs tokenmill's CPU kernels, which are off or could not be built "
                            f"({dispatch.ENV_VAR}; see the tokenmill.kernels log)")
-    return ops.group_weight_linear(x, packed, sz, group_size, bits)
+    return ops.group_weight_linear(x, packed, sz, group_size, bits, out_float32=out_float32)

@@ -47,6 +47,17 @@ class QuantizedLinear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).float()``, the same values; by :meth:`matmul_float32` when there is no bias
+        (an LM head's logits: no conversion pass where the kernel writes float32 itself)."""
+        if self.bias is not None:
+            return self.forward(x).float()
+        return self.matmul_float32(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``matmul(x).float()``: the products rounded to x's dtype as ``matmul`` rounds them, in float32."""
+        return self.matmul(x).float()
+
     def prepare(self) -> QuantizedLinear:
         """Build the kernel's layout from the portable buffers (after construction or loading)."""
         return self
@@ -100,8 +111,14 @@ class Int8Linear(QuantizedLinear):
         return self
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, out_float32=False)
+
+    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, out_float32=True).float()
+
+    def _matmul(self, x: torch.Tensor, out_float32: bool) -> torch.Tensor:
         if self._grouped is not None and x.dtype in dispatch.KERNEL_DTYPES:
-            y = kernels.group_weight_mm(x.contiguous(), *self._grouped, self.in_features, 8)
+            y = kernels.group_weight_mm(x.contiguous(), *self._grouped, self.in_features, 8, out_float32)
             return y if y.shape[1] == self.out_features else y[:, :self.out_features]
         return kernels.int8_weight_mm(x, self.qweight, self.scale)
 

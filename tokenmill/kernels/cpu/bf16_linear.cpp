@@ -1,6 +1,7 @@
 // bfloat16 linear on CPU over weights packed once for AVX-512 BF16: out[m, n] = sum_k x[m, k] * w[n, k]
-// (+ bias[n]), accumulated in float32 and rounded once to bfloat16. Built at first use by
-// tokenmill/kernels/cpu_ops.py.
+// (+ bias[n]), accumulated in float32 and rounded once to bfloat16 (stored as bfloat16, or with
+// out_float32 widened back and stored as float32: logits read as float32 without a conversion
+// pass). Built at first use by tokenmill/kernels/cpu_ops.py.
 //
 // Packed layout: [ceil(N / 16), K / 2, 16, 2] bfloat16, element (t, p, j, e) = w[16 t + j, 2 p + e]
 // (rows past N are zeros). One 64-byte load gives 16 output channels times a pair of k, which
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 #include "simd.h"
@@ -36,8 +38,9 @@ namespace {
 #if defined(__AVX512BF16__)
 constexpr bool kFast = true;
 
-template <int MB, int NB>
-inline void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K2, const float* bias, uint16_t* out,
+// Out: uint16_t (bfloat16 bits) or float (the same rounded values, widened).
+template <int MB, int NB, typename Out>
+inline void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K2, const float* bias, Out* out,
                   int64_t ldo, int64_t n0, int64_t N) {
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
@@ -61,17 +64,20 @@ inline void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K2,
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     for (int m = 0; m < MB; ++m) {
       const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][t], b));
-      _mm256_mask_storeu_epi16(out + m * ldo + n, mask, r);
+      if constexpr (std::is_same_v<Out, float>)
+        _mm512_mask_storeu_ps(out + m * ldo + n, mask, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+      else
+        _mm256_mask_storeu_epi16(out + m * ldo + n, mask, r);
     }
   }
 }
 
-template <int NB>
+template <int NB, typename Out>
 inline void rows_block(int mb, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K2, const float* bias,
-                       uint16_t* out, int64_t ldo, int64_t n0, int64_t N) {
+                       Out* out, int64_t ldo, int64_t n0, int64_t N) {
   switch (mb) {
 #define TM_CASE(R) \
-  case R: block<R, NB>(x, ldx, w, K2, bias, out, ldo, n0, N); break;
+  case R: block<R, NB, Out>(x, ldx, w, K2, bias, out, ldo, n0, N); break;
     TM_CASE(1) TM_CASE(2) TM_CASE(3) TM_CASE(4) TM_CASE(5) TM_CASE(6)
     TM_CASE(7) TM_CASE(8) TM_CASE(9) TM_CASE(10) TM_CASE(11) TM_CASE(12)
 #undef TM_CASE
@@ -83,8 +89,8 @@ inline void rows_block(int mb, const uint16_t* x, int64_t ldx, const uint16_t* w
 constexpr int rows_for(int nb) { return nb == 8 ? 3 : nb == 4 ? 6 : 12; }
 
 // Output tiles [t_begin, t_end) (one thread's share): NB at a time, the rest one by one.
-template <int NB>
-void run_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, uint16_t* out, int64_t N,
+template <int NB, typename Out>
+void run_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, Out* out, int64_t N,
                int64_t t_begin, int64_t t_end) {
   const int64_t K2 = K / 2;
   for (int64_t t0 = t_begin; t0 < t_end;) {
@@ -122,7 +128,8 @@ torch::Tensor bf16_pack(torch::Tensor weight) {
 }
 
 // x [M, K] bfloat16, packed from bf16_pack of a [N, K] weight, bias [N] (float32, bfloat16) or empty.
-torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
+torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
+                                 bool out_float32) {
   TORCH_CHECK(kFast, "bf16_packed_linear needs AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "bf16_packed_linear: x must be bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), tiles = (N + 15) / 16;
@@ -130,7 +137,7 @@ torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t 
                   packed.size(1) * 2 == K && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
               "bf16_packed_linear: packed weight does not match x [", M, ", ", K, "] and N ", N);
   auto xc = x.contiguous();
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, N}, out_float32 ? x.options().dtype(torch::kFloat32) : x.options());
   torch::Tensor bf;
   if (bias.defined() && bias.numel()) {
     TORCH_CHECK(bias.numel() == N, "bf16_packed_linear: bias must be [", N, "]");
@@ -140,11 +147,13 @@ torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 #if defined(__AVX512BF16__)
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto go = [&](auto nb_tag) {
     constexpr int NB = decltype(nb_tag)::value;
-    at::parallel_for(0, tiles, NB, [&](int64_t begin, int64_t end) { run_tiles<NB>(xp, M, K, wp, bp, op, N, begin, end); });
+    at::parallel_for(0, tiles, NB, [&](int64_t begin, int64_t end) {
+      if (out_float32) run_tiles<NB>(xp, M, K, wp, bp, out.data_ptr<float>(), N, begin, end);
+      else run_tiles<NB>(xp, M, K, wp, bp, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), N, begin, end);
+    });
   };
   if (M <= 3) {
     go(std::integral_constant<int, 8>());

@@ -34,11 +34,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_linear_fast", &group_linear_fast, "whether group_weight_linear has its AVX-512 BF16 path");
   m.def("group_weight_linear", &group_weight_linear,
         "weight-only linear over grouped codes (w = code * scale + min, bits 4, 7 or 8), any number of rows (CPU)",
-        py::arg("x"), py::arg("packed"), py::arg("sz"), py::arg("group_size"), py::arg("bits"), py::kw_only(), path);
+        py::arg("x"), py::arg("packed"), py::arg("sz"), py::arg("group_size"), py::arg("bits"), py::kw_only(),
+        py::arg("out_float32") = false, path);
   m.def("bf16_linear_fast", &bf16_linear_fast, "whether bf16_packed_linear can run here (AVX-512 BF16)");
   m.def("bf16_pack", &bf16_pack, "pack a bfloat16 [N, K] weight for bf16_packed_linear", py::arg("weight"));
   m.def("bf16_packed_linear", &bf16_packed_linear, "bfloat16 linear over a packed weight, any number of rows (CPU)",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"));
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::kw_only(),
+        py::arg("out_float32") = false);
   m.def("write_quantized_kv", &write_quantized_kv, "quantize new K or V rows into an int8 / fp8 cache (CPU)",
         py::arg("x"), py::arg("slots"), py::arg("rows"), py::arg("scales"));
   bind_decoder(m);

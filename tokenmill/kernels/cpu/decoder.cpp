@@ -255,7 +255,8 @@ struct Linear {
         const auto xp = x.size(1) == in_features ? x : at::constant_pad_nd(x, {0, in_features - x.size(1)});
         auto y = kind == LinearKind::Int4
                      ? int4_weight_linear(xp, weight, scales, group_size, KernelPath::Fastest)
-                     : group_weight_linear(xp, weight, scales, group_size, bits, KernelPath::Fastest);
+                     : group_weight_linear(xp, weight, scales, group_size, bits, /*out_float32=*/false,
+                                                         KernelPath::Fastest);
         if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
         return bias.defined() ? y + bias : y;
       }

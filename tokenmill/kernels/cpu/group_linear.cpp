@@ -78,6 +78,15 @@ inline float bf16_bits_to_float(uint16_t b) {
 
 inline uint16_t float_to_bf16_bits(float f) { return c10::BFloat16(f).x; }
 
+// float32 storage of an output rounded to bfloat16 (what a bfloat16 output holds, widened): x
+// bfloat16 with out_float32, for logits that are read as float32 without a conversion pass.
+struct Bf16InFloat {
+  float v;
+  Bf16InFloat() = default;
+  explicit Bf16InFloat(float f) : v(static_cast<float>(c10::BFloat16(f))) {}
+};
+static_assert(sizeof(Bf16InFloat) == sizeof(float));
+
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 inline float to_float(at::Half v) { return static_cast<float>(v); }
@@ -258,6 +267,15 @@ inline void with_constant(int n, F&& f) {
 template <typename T>
 inline void store_out(T* y, __m512 v) {
   store16(y, v, static_cast<__mmask16>(0xffff));
+}
+
+// Rounded as store16 rounds to bfloat16, then widened back.
+inline void store_out(Bf16InFloat* y, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  _mm512_storeu_ps(reinterpret_cast<float*>(y),
+                   _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))));
 }
 
 // Few rows: rows m0 .. m0 + MB - 1 of x times tiles t0 .. t0 + NT - 1, each chunk unpacked once
@@ -598,13 +616,14 @@ void run(const Problem<S>& p, T* y, bool generic) {
 
 template <typename S>
 torch::Tensor run_x(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t gs,
-                    int bits, bool shift_min, bool generic) {
+                    int bits, bool shift_min, bool out_float32, bool generic) {
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16, G = K / gs;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, out_float32 ? x.options().dtype(torch::kFloat32) : x.options());
   if (M == 0 || N == 0) return y;
   const PreparedX px = prepare_x(x, gs, generic);
   const Problem<S> p{px.h, px.l, px.s, packed.data_ptr<uint8_t>(), sz.data_ptr<S>(), M, K, N, G, gs, bits, shift_min};
   if (x.scalar_type() == torch::kFloat32) run(p, y.data_ptr<float>(), generic);
+  else if (out_float32) run(p, reinterpret_cast<Bf16InFloat*>(y.data_ptr<float>()), generic);
   else run(p, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()), generic);
   return y;
 }
@@ -614,19 +633,20 @@ torch::Tensor run_x(const torch::Tensor& x, const torch::Tensor& packed, const t
 bool group_linear_fast() { return kFast; }
 
 torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
-                                   int64_t group_size, int64_t bits, bool shift_min, KernelPath path) {
+                                   int64_t group_size, int64_t bits, bool shift_min, bool out_float32,
+                                   KernelPath path) {
   const bool generic = is_portable(path);
   auto xc = x.contiguous(), pc = packed.contiguous(), sc = sz.contiguous();
   if (sc.scalar_type() == torch::kFloat32)
-    return run_x<float>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, generic);
+    return run_x<float>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, generic);
   if (sc.scalar_type() == torch::kHalf)
-    return run_x<c10::Half>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, generic);
+    return run_x<c10::Half>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, generic);
   TORCH_CHECK(sc.scalar_type() == torch::kBFloat16, "scales must be float32, float16 or bfloat16");
-  return run_x<c10::BFloat16>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, generic);
+  return run_x<c10::BFloat16>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, generic);
 }
 
 torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,
-                                  int64_t bits, KernelPath path) {
+                                  int64_t bits, bool out_float32, KernelPath path) {
   TORCH_CHECK(bits == 4 || bits == 7 || bits == 8, "group_weight_linear: bits must be 4, 7 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2, "group_weight_linear: x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
@@ -646,5 +666,5 @@ torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::
               K / group_size, ", 2, 16], got ", sz.sizes());
   TORCH_CHECK(sz.scalar_type() == torch::kFloat32 || sz.scalar_type() == torch::kHalf,
               "group_weight_linear: scales and mins must be float32 or float16 (exact values only)");
-  return grouped_codes_linear(x, packed, sz, group_size, bits, /*shift_min=*/true, path);
+  return grouped_codes_linear(x, packed, sz, group_size, bits, /*shift_min=*/true, out_float32, path);
 }

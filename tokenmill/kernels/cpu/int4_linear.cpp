@@ -33,5 +33,5 @@ torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::T
   TORCH_CHECK(scales_zeros.dim() == 4 && scales_zeros.size(0) == packed.size(0) &&
                   scales_zeros.size(1) == Kp / group_size && scales_zeros.size(2) == 2 && scales_zeros.size(3) == 16,
               "scales_zeros must be [N / 16, K / group_size, 2, 16]");
-  return grouped_codes_linear(x, packed, scales_zeros, group_size, 4, /*shift_min=*/false, path);
+  return grouped_codes_linear(x, packed, scales_zeros, group_size, 4, /*shift_min=*/false, /*out_float32=*/false, path);
 }

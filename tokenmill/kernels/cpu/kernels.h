@@ -38,17 +38,22 @@ torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::T
 
 // group_linear.cpp: grouped codes, w = code * scale + min (GGUF's Q4_0 .. Q8_0, K-quants)
 bool group_linear_fast();
+// out_float32 with bfloat16 x: the outputs rounded to bfloat16 as usual, stored as float32 (logits
+// read as float32, without a conversion pass over them).
 torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,
-                                  int64_t bits, KernelPath path);
+                                  int64_t bits, bool out_float32, KernelPath path);
 // The shared kernel, shapes already checked: shift_min true for group_weight_linear (min is the
 // minimum of code * scale + min), false for int4_weight_linear (zero of (q - 8) * scale + zero).
 torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
-                                   int64_t group_size, int64_t bits, bool shift_min, KernelPath path);
+                                   int64_t group_size, int64_t bits, bool shift_min, bool out_float32,
+                                   KernelPath path);
 
 // bf16_linear.cpp
 bool bf16_linear_fast();
 torch::Tensor bf16_pack(torch::Tensor weight);
-torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias);
+// out_float32: the outputs rounded to bfloat16 as usual, stored as float32.
+torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
+                                 bool out_float32 = false);
 
 // kv_write.cpp
 void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows, torch::Tensor scales);

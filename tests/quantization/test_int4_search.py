@@ -95,6 +95,24 @@ def test_activation_weighted_rtn_is_closer_on_a_model(tmp_path):
     assert errors["weighted"] < errors["minmax"]
 
 
+def test_activation_weighting_by_default_is_on_where_calibration_text_is(tmp_path):
+    """None (the default) resolves, when quantizing, to weighted with calibration ids (or a
+    tokenizer) and to plain range search for a bare model; the model records what was done."""
+    calibration = [list(range(5, 69))]
+    config = Int4WeightOnlyConfig(num_samples=1, seq_len=64)
+    assert config.activation_weighted is None
+    bare = tiny_loaded(write_tiny_checkpoint(tmp_path / "bare")).model
+    quantize_model(bare, config, torch.float32, progress=False)
+    assert bare.quantization_config.activation_weighted is False
+    fed = tiny_loaded(write_tiny_checkpoint(tmp_path / "fed")).model
+    quantize_model(fed, config, torch.float32, progress=False, calibration=calibration)
+    assert fed.quantization_config.activation_weighted is True
+    assert not torch.equal(bare.layers[0].mlp.down.scale, fed.layers[0].mlp.down.scale)  # the weighting did something
+    plain = tiny_loaded(write_tiny_checkpoint(tmp_path / "plain")).model
+    quantize_model(plain, Int4WeightOnlyConfig(range_search=False), torch.float32, progress=False, calibration=calibration)
+    assert plain.quantization_config.activation_weighted is False
+
+
 def test_activation_weighted_needs_text_or_ids(tmp_path):
     loaded = tiny_loaded(write_tiny_checkpoint(tmp_path))
     with pytest.raises(InvalidParameterError, match="calibrates on text"):

@@ -75,9 +75,10 @@ def test_save_then_load_gives_identical_outputs(name, dtype, tmp_path):
     before = prompt_logits(loaded.model, IDS)
     out = save_quantized(loaded, tmp_path / "q")
     saved = json.loads((out / "config.json").read_text())
-    assert saved["quantization_config"] == CONFIGS[name].to_dict()
+    done = CONFIGS[name].resolved(has_calibration=True)  # a named model brings its tokenizer
+    assert saved["quantization_config"] == done.to_dict()
     reloaded = load_model(out, dtype, "cpu")
-    assert reloaded.model.quantization_config == CONFIGS[name]
+    assert reloaded.model.quantization_config == done
     assert reloaded.model.embed.weight.dtype == dtype
     assert torch.equal(prompt_logits(reloaded.model, IDS), before)
     assert reloaded.tokenizer.encode("hello world") == loaded.tokenizer.encode("hello world")
@@ -135,6 +136,8 @@ def test_cli_quantize_then_eval(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,expected", [
     (["--method", "int4", "--no-range-search"], {"range_search": False, "activation_weighted": False}),
+    (["--method", "int4", "--calibration-samples", "2"], {"range_search": True, "activation_weighted": True}),
+    (["--method", "int4", "--no-activation-weighted"], {"activation_weighted": False}),
     (["--method", "int4-gptq", "--no-act-order", "--calibration-samples", "2"], {"act_order": False}),
     (["--method", "w8a8", "--smoothing-alpha", "none"], {"smoothing_alpha": None}),
     (["--method", "w8a8", "--activation", "static", "--calibration-samples", "2"], {"smoothing_alpha": 0.85}),

@@ -77,6 +77,7 @@ def quantize_model(model: CausalLM, config: QuantConfig, dtype: torch.dtype | No
         raise InvalidParameterError("model is already quantized")
     dtype = dtype or model.embed.weight.dtype
     ctx = QuantizeContext(dtype, progress, tokenizer, cache_dir, calibration)
+    config = config.resolved(has_calibration=tokenizer is not None or calibration is not None)
     targets = quantization_targets(model, config)
     kept = keep_in_higher_precision(model, config, targets, dtype)
     handler(model, config, [t for t in targets if t.name not in kept], ctx)

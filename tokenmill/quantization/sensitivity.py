@@ -282,6 +282,7 @@ def analyze_sensitivity(model: CausalLM, config: QuantConfig, ids: list[list[int
     config = dataclasses.replace(config, keep_layers=())
     dtype = dtype or model.embed.weight.dtype
     quantized = quantize_model(copy.deepcopy(model), config, dtype, progress, tokenizer, cache_dir, calibration)
+    config = quantized.quantization_config  # its automatic choices made (int4's activation weighting)
     prepared = _prepare(model, quantized, config, ids, dtype, sqnr_rows)
     reference, quantized = prepared.reference, prepared.quantized
     num_layers = len(reference.layers)

@@ -15,12 +15,10 @@ from tqdm import tqdm
 from tokenmill.config import LoadConfig
 from tokenmill.engine import (
     ENGINE_OPTIONS,
-    CacheConfig,
     EngineConfig,
     LLMEngine,
     OutputAccumulator,
     RequestOutput,
-    SchedulerConfig,
 )
 from tokenmill.errors import InvalidParameterError
 from tokenmill.loader import load_model
@@ -41,9 +39,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
-        load, own, scheduler, cache = split_options({"model": model, **options}, LoadConfig, *ENGINE_OPTIONS)
+        load, *engine_parts = split_options({"model": model, **options}, LoadConfig, *ENGINE_OPTIONS)
         load_config = LoadConfig(**load)
-        engine_config = EngineConfig(**own, scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(**cache))
+        engine_config = EngineConfig.from_parts(*engine_parts)
         loaded = load_model(load_config.model, load_config.dtype, load_config.device, load_config.cache_dir)
         self.model_name = loaded.source.name
         self.model_config = loaded.config

@@ -4,7 +4,14 @@ Its public API is ``__all__`` below; layers above it (the server, the benchmarks
 ``LLM``) use only these names (tests/test_import_contract.py enforces it for the server).
 """
 
-from tokenmill.engine.config import ENGINE_OPTIONS, CacheConfig, EngineConfig, SchedulerConfig, add_engine_options
+from tokenmill.engine.config import (
+    ENGINE_OPTIONS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    add_engine_options,
+)
 from tokenmill.engine.limits import PromptLimits
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import (
@@ -21,5 +28,5 @@ from tokenmill.engine.stats import EngineSnapshot, StepStats
 __all__ = [
     "ENGINE_OPTIONS", "CacheConfig", "CompletionOutput", "EngineConfig", "EngineSnapshot", "LLMEngine",
     "OutputAccumulator", "PromptLimits", "Request", "RequestDelta", "RequestOutput", "SampleDelta",
-    "SchedulerConfig", "StepStats", "TokenLogprobs", "add_engine_options",
+    "SchedulerConfig", "SpeculativeConfig", "StepStats", "TokenLogprobs", "add_engine_options",
 ]

@@ -75,6 +75,34 @@ class CacheConfig(Config):
         return int(self.kv_cache_memory * free_memory(device))
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(Config):
+    """Speculative decoding (engine/spec/): a proposer drafts tokens, the target verifies them."""
+
+    title: ClassVar[str] = "speculative decoding"
+
+    speculative_method: str | None = option(
+        None, "draft tokens that the model verifies in the step's batch, for plain greedy requests: ngram "
+              "(prompt lookup: what followed the newest n-gram earlier in the sequence); off by default",
+        choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = option(4, "most tokens drafted for a sequence in one step")
+    prompt_lookup_min: int = option(2, "ngram: the shortest n-gram looked up")
+    prompt_lookup_max: int = option(4, "ngram: the longest n-gram looked up (tried first)")
+
+    def __post_init__(self) -> None:
+        if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
+            raise InvalidParameterError(f"unknown speculative_method {self.speculative_method!r}; use one of "
+                                        f"{', '.join(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens < 1:
+            raise InvalidParameterError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidParameterError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                        f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+
+
 @dataclass(frozen=True)
 class EngineConfig(Config):
     """Everything LLMEngine takes besides the model."""
@@ -88,6 +116,7 @@ class EngineConfig(Config):
               "returning them to the OS each time (glibc mallopt; see engine/allocator.py)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -96,16 +125,23 @@ class EngineConfig(Config):
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
         """From flat options (``max_num_seqs=8, kv_cache_memory=2**30, ...``); unknown names are refused."""
-        own, scheduler, cache = split_options(options, *ENGINE_OPTIONS)
-        return cls(**own, scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(**cache))
+        return cls.from_parts(*split_options(options, *ENGINE_OPTIONS))
+
+    @classmethod
+    def from_parts(cls, own: dict[str, Any], scheduler: dict[str, Any], cache: dict[str, Any],
+                   speculative: dict[str, Any]) -> EngineConfig:
+        """From the option dicts of each class of ENGINE_OPTIONS, in its order (``split_options``)."""
+        return cls(**own, scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(**cache),
+                   speculative=SpeculativeConfig(**speculative))
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EngineConfig:
         return from_namespace(cls, args, scheduler=from_namespace(SchedulerConfig, args),
-                              cache=from_namespace(CacheConfig, args))
+                              cache=from_namespace(CacheConfig, args),
+                              speculative=from_namespace(SpeculativeConfig, args))
 
 
-ENGINE_OPTIONS = (EngineConfig, SchedulerConfig, CacheConfig)
+ENGINE_OPTIONS = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig)
 """The classes whose fields are the engine's flat options, in the order entry points list them."""
 
 

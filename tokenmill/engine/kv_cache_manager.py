@@ -232,6 +232,24 @@ class KVCacheManager:
         seq.num_computed_tokens = total
         return True
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Forget the sequence's tokens from ``num_tokens`` on (rejected draft tokens): its count
+        goes back to ``num_tokens`` and the blocks past them return to the pool. Tokens already
+        offered to the prefix cache cannot be dropped (cache_blocks runs after verification, so a
+        rejected token never is). A no-op for an unknown (freed, aborted) sequence."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return
+        if not seq.num_cached_blocks * self.block_size <= num_tokens <= seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq_id!r}: cannot truncate to {num_tokens} tokens (computed "
+                             f"{seq.num_computed_tokens}, cached {seq.num_cached_blocks * self.block_size})")
+        keep = _cdiv(num_tokens, self.block_size)
+        if keep < len(seq.blocks):
+            tail = seq.blocks[keep:]
+            del seq.blocks[keep:]
+            self.pool.free_blocks(reversed(tail))
+        seq.num_computed_tokens = num_tokens
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every parent block (for n > 1 samples of one prompt). Whichever of
         the two first writes into a shared partial block gets its own copy then (see
@@ -413,6 +431,10 @@ class KVCacheCoordinator:
     def fork(self, parent_id: str, child_id: str) -> None:
         for g in self.groups:
             g.fork(parent_id, child_id)
+
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        for g in self.groups:
+            g.truncate(seq_id, num_tokens)
 
     def take_pending_copies(self) -> list[list[tuple[int, int]]]:
         return [g.take_pending_copies() for g in self.groups]

@@ -1,10 +1,12 @@
 """LLMEngine: add requests, step, abort. Every step is one forward pass over a token budget.
 
     step():
+      draft               with speculative decoding: a draft for each eligible decoding sequence (spec/)
       schedule            which sequences run, how many tokens each (scheduler.py)
       copy-on-write       block copies the KV manager owes (forked n > 1 samples)
       run the model       one ragged forward pass over all scheduled tokens (model_runner.py)
-      sample              one batched sampler call for every sequence that completed its tokens
+      sample              one batched sampler call for every sequence that completed its tokens;
+                          a drafting sequence's rows verify its draft (the kept tokens and one more)
       bookkeeping         cache full blocks, fork n > 1 samples, detokenize, check stops, free
       report              one RequestDelta per changed request (what is new: outputs.py), step statistics
 """
@@ -29,6 +31,7 @@ from tokenmill.engine.outputs import RequestDelta, SampleDelta, TokenLogprobs
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
 from tokenmill.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs
 from tokenmill.engine.scheduler import ScheduledSequence, Scheduler
+from tokenmill.engine.spec.drafter import Drafter, make_proposer
 from tokenmill.engine.stats import EngineSnapshot, StepStats
 from tokenmill.engine.stop_checker import check_stop, stream_safe_length
 from tokenmill.errors import InvalidParameterError
@@ -51,6 +54,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(loaded.model, cache, device)
         self.sampler = Sampler(loaded.config.vocab_size, seed=config.seed)
+        proposer = make_proposer(config.speculative)
+        self.drafter = Drafter(config.speculative, proposer) if proposer is not None else None
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids)
         self.requests: dict[str, Request] = {}
         self._parked: dict[str, list[Sequence]] = {}  # n > 1 samples waiting for their prompt's KV
@@ -173,18 +178,24 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """One forward pass; what each request that changed gained in it."""
         start = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running, self.max_model_len)
         plan = self.scheduler.schedule()
         changed: dict[str, Request] = {}
         for seq in plan.failed:
             self._fail(seq, changed)
+        num_sampled = sum(s.completes for s in plan.scheduled)
+        drafted, accepted = (self.drafter.num_draft_tokens, self.drafter.num_accepted_tokens) if self.drafter else (0, 0)
         if plan.scheduled:
             self._run(plan.scheduled, changed)
         running = self.scheduler.running
         self.stats.append(StepStats(
             len(running), self.scheduler.num_waiting, len(plan.scheduled), plan.num_batched_tokens,
-            sum(s.completes for s in plan.scheduled), self.num_used_blocks,
+            num_sampled, self.num_used_blocks,
             sum(s.num_computed_tokens for s in running), self.kv.usage, plan.prefix_hit_tokens,
-            len(plan.preempted), time.perf_counter() - start))
+            len(plan.preempted), time.perf_counter() - start,
+            *((self.drafter.num_draft_tokens - drafted, self.drafter.num_accepted_tokens - accepted)
+              if self.drafter else ())))
         return [self._delta(request) for request in changed.values()]
 
     def _run(self, scheduled: list[ScheduledSequence], changed: dict[str, Request]) -> None:
@@ -193,17 +204,29 @@ class LLMEngine:
         inputs = []
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
-            inputs.append(SequenceInput(seq.all_token_ids[start:start + item.num_new_tokens], start,
+            inputs.append(SequenceInput(seq.tokens_with_draft()[start:start + item.num_new_tokens], start,
                                         self.kv.block_table(seq.seq_id), item.completes,
-                                        self._wants_prompt_logprobs(item)))
+                                        self._wants_prompt_logprobs(item), 1 + item.num_draft))
         result = self.runner.execute(inputs)
         for i in result.all_logits:
             self._add_prompt_logprobs(scheduled[i], result.all_logits[i])
-        completing = [scheduled[i] for i in result.sample_rows]
+        plain_rows, completing, verifying, row = [], [], [], 0
+        for i in result.sample_rows:
+            item = scheduled[i]
+            if item.num_draft:
+                verifying.append((item, result.sample_logits[row:row + 1 + item.num_draft]))
+            else:
+                plain_rows.append(row)
+                completing.append(item)
+            row += 1 + item.num_draft
         for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens)
-        rows, seqs = self._with_forked_samples(completing, result.sample_logits)
+            if not item.num_draft:  # a drafting sequence counts what verification keeps (_verify)
+                item.seq.num_computed_tokens += item.num_new_tokens
+                self.kv.cache_blocks(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens)
+        logits = result.sample_logits
+        if len(plain_rows) != logits.shape[0]:
+            logits = logits[plain_rows]
+        rows, seqs = self._with_forked_samples(completing, logits)
         samples = self.sampler(rows, [s.sampling for s in seqs])
         now = time.monotonic()
         for seq, sample in zip(seqs, samples):
@@ -211,6 +234,26 @@ class LLMEngine:
             request.first_token_time = request.first_token_time or now
             self._append(seq, sample)
             changed[request.request_id] = request
+        for item, rows in verifying:
+            self._verify(item, rows)
+            changed[item.seq.request_id] = self.requests[item.seq.request_id]
+
+    def _verify(self, item: ScheduledSequence, logits: torch.Tensor) -> None:
+        """A drafting sequence's rows: each sampled as plain decoding would; the draft kept up to its
+        first token that differs, then that row's token. The KV of the rejected tokens is dropped
+        (truncate) before any block of the kept ones is offered to the prefix cache."""
+        seq = item.seq
+        draft, seq.draft_token_ids = seq.draft_token_ids, []
+        samples = self.sampler(logits, [seq.sampling] * logits.shape[0])
+        kept = self.drafter.accepted(draft, [s.token_id for s in samples])
+        seq.num_computed_tokens += 1 + kept  # its last token and the kept draft; the next token is new
+        self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+        self.kv.cache_blocks(seq.seq_id, seq.all_token_ids + draft[:kept], seq.num_computed_tokens)
+        self.requests[seq.request_id].first_token_time = self.requests[seq.request_id].first_token_time or time.monotonic()
+        for sample in samples[:kept + 1]:
+            self._append(seq, sample)
+            if seq.status.finished:
+                break
 
     def _with_forked_samples(self, completing: list[ScheduledSequence], logits: torch.Tensor):
         """Sequences to sample and their logits rows: a request's first sample that just finished its

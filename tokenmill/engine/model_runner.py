@@ -50,14 +50,17 @@ class SequenceInput:
     """Return the logits of the last new token (the sequence samples its next token)."""
     all_logits: bool = False
     """Also return the logits of every new token (prompt logprobs)."""
+    num_sample_rows: int = 1
+    """With ``samples``: the logits of this many last new tokens (a drafting sequence verifies
+    each of its drafted tokens and samples after the last: 1 + drafts)."""
 
 
 @dataclass
 class RunnerOutput:
     sample_logits: torch.Tensor
-    """[number of sampling sequences, vocab] float32, in input order."""
+    """[rows, vocab] float32: each sampling sequence's ``num_sample_rows`` rows, in input order."""
     sample_rows: list[int]
-    """Index in the input of each row of ``sample_logits``."""
+    """Index in the input of each sampling sequence, in the order of ``sample_logits``."""
     all_logits: dict[int, torch.Tensor]
     """Index in the input -> [len(token_ids), vocab] for the sequences with ``all_logits``."""
 
@@ -101,7 +104,8 @@ class ModelRunner:
         hidden = self._forward(tokens, meta)
         rows = [i for i, item in enumerate(inputs) if item.samples]
         last = meta.last_token_indices()
-        logits = self.model.compute_logits(hidden[[last[i] for i in rows]])
+        picked = [p for i in rows for p in range(last[i] - inputs[i].num_sample_rows + 1, last[i] + 1)]
+        logits = self.model.compute_logits(hidden[picked])
         full = {i: self.model.compute_logits(hidden[meta.query_start_loc[i]:meta.query_start_loc[i + 1]])
                 for i, item in enumerate(inputs) if item.all_logits}
         return RunnerOutput(logits, rows, full)

@@ -74,6 +74,9 @@ class Sequence:
     """Characters of ``text`` already handed out."""
     finish_sent: bool = False
     """Its finish has been handed out."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Tokens a proposer guessed to follow ``all_token_ids`` (speculative decoding), to be
+    verified in the next step; empty when not drafting. Never part of ``all_token_ids``."""
     all_token_ids: list[int] = field(init=False)
     """Prompt then output token ids; append-only."""
 
@@ -91,6 +94,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def tokens_with_draft(self) -> list[int]:
+        """``all_token_ids`` then the draft: what a drafting step computes over."""
+        return self.all_token_ids + self.draft_token_ids if self.draft_token_ids else self.all_token_ids
 
     @property
     def seq_id(self) -> str:

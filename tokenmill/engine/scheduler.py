@@ -38,12 +38,15 @@ class KVManager(Protocol):
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
-    """Tokens ``all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]`` run this step."""
+    """Tokens ``tokens_with_draft()[num_computed_tokens : num_computed_tokens + num_new_tokens]`` run this step."""
+    num_draft: int = 0
+    """Drafted tokens verified this step: the last ``num_draft`` new tokens (speculative decoding)."""
 
     @property
     def completes(self) -> bool:
-        """After this step the sequence has computed all its tokens, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """After this step the sequence has computed all its tokens (and its draft), so a new token is
+        sampled. Read before the step's bookkeeping moves ``num_computed_tokens``."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + self.num_draft
 
 
 @dataclass
@@ -112,6 +115,11 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
+            if seq.draft_token_ids and self._allocate_draft(seq, budget):
+                n = 1 + len(seq.draft_token_ids)
+                out.scheduled.append(ScheduledSequence(seq, n, len(seq.draft_token_ids)))
+                budget -= n
+                continue
             if self._allocate_or_preempt(seq, n, out):
                 out.scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
@@ -126,6 +134,19 @@ class Scheduler:
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(remaining, budget)
+
+    def _allocate_draft(self, seq: Sequence, budget: int) -> bool:
+        """Slots for a decoding sequence's next token and as much of its draft as the budget takes,
+        from free blocks only (a draft never preempts anyone); False, and no draft, otherwise."""
+        draft = seq.draft_token_ids
+        if seq.num_tokens - seq.num_computed_tokens != 1:  # not decoding: a draft only follows a sampled token
+            draft.clear()
+            return False
+        del draft[max(budget - 1, 0):]
+        if draft and self.kv.allocate_slots(seq.seq_id, seq.tokens_with_draft(), 1 + len(draft)):
+            return True
+        draft.clear()
+        return False
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make room for ``n`` more tokens of ``seq``, preempting less important running sequences."""
@@ -145,6 +166,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.draft_token_ids.clear()
         self.kv.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed_tokens = 0

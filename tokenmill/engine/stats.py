@@ -23,6 +23,10 @@ class StepStats:
     prefix_hit_tokens: int
     num_preempted: int
     seconds: float
+    num_draft_tokens: int = 0
+    """Drafted tokens verified in the step (speculative decoding)."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones kept."""
 
 
 @dataclass(frozen=True)

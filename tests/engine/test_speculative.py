@@ -1,0 +1,135 @@
+"""Speculative decoding in the engine (engine/spec/): the n-gram proposer, the KV rollback of
+rejected tokens, and greedy output identical to speculation off on varied prompts, with every
+block given back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.server.conftest import build_tiny_checkpoint
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine import SpeculativeConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.spec.ngram import NgramProposer
+from tokenmill.errors import InvalidParameterError
+
+
+# ---------------------------------------------------------------------------------------- proposer
+
+def test_ngram_proposes_what_followed_the_latest_earlier_match():
+    p = NgramProposer(min_n=2, max_n=3)
+    #        0  1  2  3  4  5  6  7  8  9
+    ids = [7, 1, 2, 3, 4, 1, 2, 3, 9, 1, 2]
+    assert p.propose(ids, 3) == [3, 9, 1]  # "1 2" last seen at 5 (the latest), followed by 3 9 1
+    assert p.propose(ids + [3], 2) == [9, 1]  # "1 2 3" (the longest n first) at 5
+    assert p.propose([5, 6, 7, 8], 4) == []  # no repeat: no draft
+    assert p.propose(ids, 0) == [] and p.propose([1], 3) == []
+    assert p.propose([4, 4, 4, 4], 5) == [4]  # the match may overlap the suffix; at most what follows it
+
+
+def test_ngram_checks_its_range():
+    with pytest.raises(InvalidParameterError, match="min_n <= max_n"):
+        NgramProposer(3, 2)
+    with pytest.raises(InvalidParameterError, match="prompt_lookup_min <= prompt_lookup_max"):
+        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(InvalidParameterError, match="unknown speculative_method 'medusa'"):
+        SpeculativeConfig(speculative_method="medusa")
+
+
+# ---------------------------------------------------------------------------------------- KV rollback
+
+def test_truncate_gives_back_the_blocks_past_the_kept_tokens():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    ids = list(range(1, 30))
+    assert kv.allocate_slots("s", ids, 6)  # 2 blocks
+    kv.cache_blocks("s", ids, 6)  # block 0 full: cached
+    free = kv.num_free_blocks
+    assert kv.allocate_slots("s", ids, 7)  # a draft: 13 tokens, 4 blocks
+    assert kv.num_free_blocks == free - 2
+    kv.truncate("s", 8)  # kept up to 8: 2 blocks
+    assert kv.num_computed_tokens("s") == 8 and len(kv.block_table("s")) == 2 and kv.num_free_blocks == free
+    with pytest.raises(ValueError, match="cannot truncate"):
+        kv.truncate("s", 3)  # into the cached block
+    with pytest.raises(ValueError, match="cannot truncate"):
+        kv.truncate("s", 9)  # past what was computed
+    kv.truncate("gone", 0)  # unknown: a no-op
+
+
+# ---------------------------------------------------------------------------------------- the engine
+
+PROMPTS = 64
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    """64 varied prompts from the corpus (Shakespeare): plain continuations of 16-160 tokens, and
+    passages to copy (the model repeats them: long drafts kept)."""
+    from tokenmill.eval.corpus import fetch_corpus
+
+    text = fetch_corpus().read_text(encoding="utf-8")
+    rng = random.Random(0)
+    out = []
+    for i in range(PROMPTS):
+        at = rng.randrange(0, len(text) - 4000)
+        ids = tokenizer.encode(text[at:at + 3000])[:rng.randrange(16, 160)]
+        if i % 2:
+            passage = tokenizer.decode(ids[:rng.randrange(12, 40)])
+            ids = tokenizer.encode(f"Repeat this text exactly.\n\n{passage}\n\nThe text again:\n\n{passage[:20]}")
+        out.append(ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-spec")
+    build_tiny_checkpoint(path)
+    return path
+
+
+def _generate(llm: LLM, prompts, max_tokens: int = 32):
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1 if i % 5 == 0 else None)
+              for i in range(len(prompts))]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_greedy_output_is_identical_to_speculation_off():
+    """SmolLM2 in float32, 64 varied prompts (EOS and stop handling included): every output token,
+    text and logprob the same with n-gram speculation as without."""
+    plain = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_seqs=16)
+    spec = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_seqs=16, speculative_method="ngram",
+               num_speculative_tokens=4)
+    prompts = _prompts(plain.tokenizer)
+    expected, got = _generate(plain, prompts), _generate(spec, prompts)
+    for e, g in zip(expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert g.outputs[0].text == e.outputs[0].text and g.outputs[0].finish_reason == e.outputs[0].finish_reason
+        if e.outputs[0].logprobs is not None:
+            assert [t.token_id for t in g.outputs[0].logprobs] == [t.token_id for t in e.outputs[0].logprobs]
+            assert [t.logprob for t in g.outputs[0].logprobs] == pytest.approx(
+                [t.logprob for t in e.outputs[0].logprobs], abs=1e-4)
+    drafter = spec.engine.drafter
+    # the test means something: drafts were both kept and rejected, and steps were saved
+    assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens
+    assert len(spec.engine.stats) < len(plain.engine.stats)
+    assert spec.engine.num_used_blocks == 0 and plain.engine.num_used_blocks == 0
+
+
+def test_aborting_a_drafting_request_frees_its_blocks(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", speculative_method="ngram")
+    engine = llm.engine
+    engine.add_request([5, 6, 7] * 30, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), request_id="r")
+    for _ in range(6):
+        engine.step()
+    assert engine.drafter.num_draft_tokens > 0 and engine.num_used_blocks > 0
+    engine.abort("r")
+    assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_sampling_and_penalties_do_not_draft(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", speculative_method="ngram")
+    prompt = [3, 4] * 40
+    llm.generate([prompt, prompt], [SamplingParams(temperature=0.8, max_tokens=20, seed=1),
+                                    SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=20)],
+                 use_tqdm=False)
+    assert llm.engine.drafter.num_draft_tokens == 0

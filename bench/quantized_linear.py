@@ -8,7 +8,8 @@ Kernels, all on the same shapes with bfloat16 x and bfloat16 out:
     int4     int4_weight_linear, tokenmill's own int4 (w = (q - 8) * scale + zero, bfloat16 scales),
              on group_linear.cpp's kernel
     group4   group_weight_linear bits 4 (w = code * scale + min, codes 0..15: Q4_1 / Q4_K)
-    group7   group_weight_linear bits 7 (codes 0..127, a byte each: Q5_0, Q5_1, Q5_K, Q6_K)
+    group5   group_weight_linear bits 5 (codes 0..31, 5/8 of a byte each: Q5_0, Q5_1, Q5_K)
+    group7   group_weight_linear bits 7 (codes 0..127, a byte each: Q6_K)
     group8   group_weight_linear bits 8 (codes 0..255: Q8_0)
 all with --group-size input columns per group (32: Q4_0 .. Q8_0, Q4_K, Q5_K; 16: Q6_K), and
     int8     tokenmill's int8 (``Int8Linear`` with bfloat16 scales: symmetric codes, one scale per
@@ -44,7 +45,7 @@ from tokenmill.quantization.linear import Int8Linear
 RESULTS = Path(__file__).parent / "results"
 SHAPES = [("smollm2 qkv", 576, 1536), ("smollm2 gate_up", 576, 3072), ("smollm2 down", 1536, 576),
           ("gemma 640->2048", 640, 2048), ("gemma 2048->640", 2048, 640), ("gemma 1024->640", 1024, 640)]
-KERNELS = ["bf16", "int4", "group4", "group7", "group8", "int8", "int8fma"]
+KERNELS = ["bf16", "int4", "group4", "group5", "group7", "group8", "int8", "int8fma"]
 
 
 def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
@@ -58,7 +59,7 @@ def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
     zero = (torch.randn(n, groups, generator=g) * 0.01).bfloat16()
     int4 = qk.int4_cpu_pack(qk.pack_nibbles(q), scale, zero)
     grouped = {}
-    for bits, largest, offset in ((4, 15, 8), (7, 31, 16), (8, 255, 128)):
+    for bits, largest, offset in ((4, 15, 8), (5, 31, 16), (7, 63, 32), (8, 255, 128)):
         codes = torch.randint(0, largest + 1, (n, k), generator=g, dtype=torch.uint8)
         s = torch.randn(n, groups, generator=g) * 0.01
         mins = -offset * s if symmetric else torch.randn(n, groups, generator=g) * 0.01 * offset
@@ -69,6 +70,7 @@ def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
         "bf16": lambda x: ops.bf16_packed_linear(x, bf16, n, empty),
         "int4": lambda x: ops.int4_weight_linear(x, int4[0], int4[1], group),
         "group4": lambda x: ops.group_weight_linear(x, grouped[4][0], grouped[4][1], group, 4),
+        "group5": lambda x: ops.group_weight_linear(x, grouped[5][0], grouped[5][1], group, 5),
         "group7": lambda x: ops.group_weight_linear(x, grouped[7][0], grouped[7][1], group, 7),
         "group8": lambda x: ops.group_weight_linear(x, grouped[8][0], grouped[8][1], group, 8),
         "int8": int8.matmul,

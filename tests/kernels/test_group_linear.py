@@ -14,7 +14,7 @@ from tokenmill.kernels.linear_spec import CpuLinearSpec, LinearKind
 from tokenmill.quantization import kernels as qk
 
 ops = require_kernels()
-LARGEST = {4: 15, 7: 127, 8: 255}
+LARGEST = {4: 15, 5: 31, 7: 127, 8: 255}
 
 
 def _weights(n: int, k: int, group_size: int, bits: int, seed: int):
@@ -49,7 +49,7 @@ MS = [1, 2, 3, 4, 5, 8, 17, 33, 64, 257]
 
 
 @pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 16), (7, 32), (7, 16), (8, 32), (8, 16)])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 16), (5, 32), (5, 16), (7, 32), (7, 16), (8, 32), (8, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("path", ["FASTEST", "PORTABLE"], ids=["avx512", "portable"])
 def test_matches_float64_reference(path, dtype, bits, group_size, m):
@@ -77,7 +77,7 @@ def test_float32_out_holds_the_bfloat16_outputs_exactly(m, path):
     assert torch.equal(wide, ops.group_weight_linear(x, packed, sz, group_size, 8, path=kernel_path).float())
 
 
-@pytest.mark.parametrize("bits", [4, 7, 8])
+@pytest.mark.parametrize("bits", [4, 5, 7, 8])
 def test_larger_shape_and_the_python_entry_point(bits):
     n, k, group_size = 320, 576, 32
     codes, scale, mins = _weights(n, k, group_size, bits, seed=5)
@@ -88,13 +88,13 @@ def test_larger_shape_and_the_python_entry_point(bits):
         _check(got, x.double() @ _dequantized(codes, scale, mins, group_size).T, torch.bfloat16)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_symmetric_mins_take_the_same_sums(bits):
-    """min = -offset * scale (Q4_0, Q8_0): the many-rows schedule skips the zero folded minimum;
-    results stay those of the few-rows one."""
+    """min = -offset * scale (Q4_0, Q5_0, Q8_0): the many-rows schedule skips the zero folded
+    minimum; results stay those of the few-rows one."""
     n, k, group_size = 64, 256, 32
     codes, scale, _ = _weights(n, k, group_size, bits, seed=9)
-    mins = -scale * (8 if bits == 4 else 128)
+    mins = -scale * {4: 8, 5: 16, 8: 128}[bits]
     packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
     x = torch.randn(40, k).bfloat16()
     together = ops.group_weight_linear(x, packed, sz, group_size, bits)
@@ -103,7 +103,7 @@ def test_symmetric_mins_take_the_same_sums(bits):
         assert torch.equal(ops.group_weight_linear(x[i:i + 1], packed, sz, group_size, bits)[0], together[i])
 
 
-@pytest.mark.parametrize("bits", [4, 7, 8])
+@pytest.mark.parametrize("bits", [4, 5, 7, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits):
     n, k, group_size = 80, 192, 32
@@ -142,6 +142,20 @@ def test_int4_shares_the_kernel_and_its_invariance(scale_dtype):
         assert torch.equal(ops.int4_weight_linear(x[i:i + 1], packed, sz, group_size)[0], together[i])
 
 
+def test_five_bit_layout_round_trips_and_keeps_the_file_size():
+    """bits 5: nibble chunks and, after every 4, a chunk of fifth bits: 5/8 of a byte per code."""
+    from tokenmill.quantization.grouped import unpack_grouped
+
+    n, k, group_size = 48, 128, 32
+    codes, scale, mins = _weights(n, k, group_size, 5, seed=12)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, 5)
+    assert packed.shape == (3, 5 * k // 16, 32) and packed.numel() == n * k * 5 // 8
+    back = unpack_grouped(packed, sz, n, 5)
+    assert torch.equal(back.codes, codes) and torch.equal(back.scale, scale) and back.group_size == group_size
+    with pytest.raises(ValueError, match="bits 5 needs K a multiple of 16"):
+        qk.group_cpu_pack(codes[:, :120], torch.zeros(n, 15), torch.zeros(n, 15), 5)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_pack_layout_round_trip(bits):
     n, k, group_size = 32, 64, 16
@@ -166,8 +180,8 @@ def test_bad_shapes_are_rejected():
     codes, scale, mins = _weights(16, 64, 32, 8, seed=6)
     packed, sz = qk.group_cpu_pack(codes, scale, mins, 8)
     x = torch.zeros(1, 64).bfloat16()
-    with pytest.raises(RuntimeError, match="bits must be 4, 7 or 8"):
-        ops.group_weight_linear(x, packed, sz, 32, 5)
+    with pytest.raises(RuntimeError, match="bits must be 4, 5, 7 or 8"):
+        ops.group_weight_linear(x, packed, sz, 32, 6)
     with pytest.raises(RuntimeError, match="columns"):
         ops.group_weight_linear(torch.zeros(1, 32).bfloat16(), packed, sz, 32, 8)
     with pytest.raises(RuntimeError, match="columns"):  # an 8-bit weight read as 4-bit
@@ -190,7 +204,7 @@ def test_bad_shapes_are_rejected():
         qk.group_cpu_pack(codes, scale, mins, 4)
     with pytest.raises(ValueError, match=r"bits 7 codes must be in 0\.\.127"):
         qk.group_cpu_pack(codes | 128, scale, mins, 7)
-    with pytest.raises(ValueError, match="bits must be 4, 7 or 8"):
+    with pytest.raises(ValueError, match="bits must be 4, 5, 7 or 8"):
         qk.group_cpu_pack(codes, scale, mins, 6)
     with pytest.raises(ValueError, match="groups of a multiple of 4"):
         qk.group_cpu_pack(codes & 15, torch.zeros(16, 32), torch.zeros(16, 32), 4)  # group_size 2
@@ -206,7 +220,7 @@ def test_group_weight_mm_needs_the_kernels(monkeypatch):
         qk.group_weight_mm(torch.zeros(1, 64), packed, sz, 32, 4)
 
 
-@pytest.mark.parametrize("bits", [4, 7, 8])
+@pytest.mark.parametrize("bits", [4, 5, 7, 8])
 @pytest.mark.parametrize("m", [1, 3, 20])
 def test_decode_stack_linear_matches_group_weight_mm(m, bits):
     """A GROUPED Linear (what DecodeStack.run multiplies by) pads x to in_features, cuts the padded
@@ -229,7 +243,7 @@ def test_grouped_linear_checks_its_fields():
     codes, scale, mins = _weights(16, 64, 32, 8, seed=8)
     packed, sz = qk.group_cpu_pack(codes, scale, mins, 8)
     kw = dict(kind=ops.LinearKind.GROUPED, weight=packed, out_features=16, in_features=64)
-    with pytest.raises(RuntimeError, match="bits 4, 7 or 8"):
+    with pytest.raises(RuntimeError, match="bits 4, 5, 7 or 8"):
         ops.Linear(**kw, scales=sz, group_size=32)
     with pytest.raises(RuntimeError, match="scales"):
         ops.Linear(**kw, group_size=32, bits=8)

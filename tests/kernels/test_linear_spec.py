@@ -37,8 +37,8 @@ def test_grouped_spec_invariants():
     with pytest.raises(ValueError, match="group_size"):
         CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w, group_size=48,
                       bits=4)
-    for bits in (0, 5, 16):
-        with pytest.raises(ValueError, match="bits 4, 7 or 8"):
+    for bits in (0, 6, 16):
+        with pytest.raises(ValueError, match="bits 4, 5, 7 or 8"):
             CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w,
                           group_size=32, bits=bits)
     spec = CpuLinearSpec(kind=LinearKind.GROUPED, weight=w, out_features=16, in_features=64, scales=w,

@@ -216,14 +216,14 @@ def test_tiny_gguf_of_every_type_loads_natively(every_type_gguf: Path, caplog: p
         native = load_gguf_native(source(every_type_gguf)).model
     assert_all_native(native)
     layer0, layer1 = native.layers[0], native.layers[1]
-    assert (layer0.attn.qkv.group_size, layer0.attn.qkv.bits) == (32, 7)  # Q4_0 + Q4_1 + Q5_0
+    assert (layer0.attn.qkv.group_size, layer0.attn.qkv.bits) == (32, 5)  # Q4_0 + Q4_1 + Q5_0
     assert (layer1.attn.qkv.group_size, layer1.attn.qkv.bits) == (16, 8)  # Q6_K + Q8_0 + Q4_K
-    assert (layer1.mlp.gate_up.group_size, layer1.mlp.gate_up.bits) == (32, 7)  # Q5_1 + Q4_0
+    assert (layer1.mlp.gate_up.group_size, layer1.mlp.gate_up.bits) == (32, 5)  # Q5_1 + Q4_0
     assert (layer1.mlp.down.bits, native.lm_head.bits) == (4, 8)  # Q4_1; the tied head, Q8_0
     assert native.embed.weight.dtype == torch.bfloat16 and native.layers[0].attn_norm.weight.dtype == torch.bfloat16
     lines = {r.getMessage() for r in caplog.records if r.name == "tokenmill.loading"}
     for expected in ["GGUF Q4_0: 2 tensors native (grouped kernel, 4-bit codes)",
-                     "GGUF Q5_0: 1 tensor native (grouped kernel, 7-bit codes)",
+                     "GGUF Q5_0: 1 tensor native (grouped kernel, 5-bit codes)",
                      "GGUF Q6_K: 2 tensors native (grouped kernel, 7-bit codes)", "GGUF F32: 5 tensors as float",
                      "GGUF Q8_0: 3 tensors native (grouped kernel, 8-bit codes), token_embd.weight also dequantized for "
                      "the embedding lookup"]:

@@ -29,7 +29,7 @@ class LinearKind(enum.Enum):
     """``int4_weight_linear``: weight and scales in ``int4_cpu_pack``'s layout (N rounded up to 16)."""
     GROUPED = enum.auto()
     """``group_weight_linear``: grouped codes (w = code * scale + min, GGUF's types), weight and
-    (scale, min) in ``group_cpu_pack``'s layout (N rounded up to 16), ``bits`` 4, 7 or 8."""
+    (scale, min) in ``group_cpu_pack``'s layout (N rounded up to 16), ``bits`` 4, 5, 7 or 8."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,7 +37,7 @@ class CpuLinearSpec:
     """One linear layer for the CPU kernels: y = x W^T (+ bias), x [M, in_features] -> [M, out_features].
 
     Invariants: INT8, INT4 and GROUPED have ``scales``; INT4 and GROUPED have ``group_size > 0``
-    dividing ``in_features``; GROUPED has ``bits`` 4, 7 or 8. The tensors are the layer's own (no
+    dividing ``in_features``; GROUPED has ``bits`` 4, 5, 7 or 8. The tensors are the layer's own (no
     copies): a spec is valid while the layer is unchanged."""
 
     kind: LinearKind
@@ -55,7 +55,7 @@ class CpuLinearSpec:
     group_size: int = 0
     """INT4, GROUPED: input columns per (scale, zero / min); else 0."""
     bits: int = 0
-    """GROUPED: bits per code, 4 (codes 0..15), 7 (0..127, one a byte) or 8 (0..255); else 0."""
+    """GROUPED: bits per code, 4 (codes 0..15), 5 (0..31), 7 (0..127, one a byte) or 8 (0..255); else 0."""
 
     def __post_init__(self) -> None:
         if self.kind in (LinearKind.INT8, LinearKind.INT4, LinearKind.GROUPED) and self.scales is None:
@@ -64,8 +64,8 @@ class CpuLinearSpec:
                 self.group_size <= 0 or self.in_features % self.group_size):
             raise ValueError(f"{self.kind.name} needs group_size > 0 dividing in_features, got {self.group_size}, "
                              f"{self.in_features}")
-        if self.kind is LinearKind.GROUPED and self.bits not in (4, 7, 8):
-            raise ValueError(f"GROUPED needs bits 4, 7 or 8, got {self.bits}")
+        if self.kind is LinearKind.GROUPED and self.bits not in (4, 5, 7, 8):
+            raise ValueError(f"GROUPED needs bits 4, 5, 7 or 8, got {self.bits}")
 
     def native(self, ops: ModuleType):
         """This spec as the compiled module ``ops``' ``Linear``, for ``DecodeStack.add_layer``."""

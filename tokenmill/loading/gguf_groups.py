@@ -6,16 +6,17 @@ per group of ``group_size`` consecutive columns of a row (g = k // group_size)::
     type   group  codes    scale        min              bits
     Q4_0     32   0..15    d            -8 d               4
     Q4_1     32   0..15    d            m                  4
-    Q5_0     32   0..31    d            -16 d              7
-    Q5_1     32   0..31    d            m                  7
+    Q5_0     32   0..31    d            -16 d              5
+    Q5_1     32   0..31    d            m                  5
     Q8_0     32   0..255   d            -128 d             8   (code = q + 128)
     Q4_K     32   0..15    d sc_j       -(dmin m_j)        4   (sub-block j of 32)
-    Q5_K     32   0..31    d sc_j       -(dmin m_j)        7
+    Q5_K     32   0..31    d sc_j       -(dmin m_j)        5
     Q6_K     16   0..63    d sc_j       -32 d sc_j         7   (sc_j int8, may be negative)
 
-``bits`` is how the kernel stores the codes: 4 for the types whose codes fit a nibble, one a byte
-for the others, 7 where they are below 128 (the kernel widens those to bfloat16 with an OR) and 8
-for Q8_0. d, m, dmin are the file's halves (11 significant bits), sc_j and m_j its 6-bit
+``bits`` is how the kernel stores the codes: 4 for the types whose codes fit a nibble, 5 for the
+5-bit types (a nibble and a plane of fifth bits, 5/8 of a byte as in the file), one a byte for the
+others: 7 where they are below 128 (Q6_K: the kernel widens those to bfloat16 with an OR) and 8 for
+Q8_0. A fused projection takes the widest of its parts' (4 < 5 < 7 < 8: each holds the narrower). d, m, dmin are the file's halves (11 significant bits), sc_j and m_j its 6-bit
 (Q6_K: 8-bit signed) integers, so every scale and min above is an exact float32 product, and so is
 ``code * scale`` (at most 11 + 7 + 6 = 24 significant bits, Q6_K's worst case). ``code * scale +
 min`` in float32 is then what ``gguf.quants.dequantize`` computes, bit for bit:
@@ -46,8 +47,8 @@ from tokenmill.loading import dequant
 GROUP_SIZES: dict[Q, int] = {Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.Q8_0: 32,
                              Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
 """Columns per (scale, min) of each native type."""
-CODE_BITS: dict[Q, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 7, Q.Q5_1: 7, Q.Q5_K: 7, Q.Q6_K: 7, Q.Q8_0: 8}
-"""Bits per code in the kernel's layout: 4 for codes 0..15, 7 for 0..127 (a byte each), 8 for 0..255."""
+CODE_BITS: dict[Q, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 7, Q.Q8_0: 8}
+"""Bits per code in the kernel's layout: 4 for codes 0..15, 5 for 0..31, 7 for 0..127 (a byte each), 8 for 0..255."""
 NATIVE_TYPES: frozenset[Q] = frozenset(GROUP_SIZES)
 """The ggml block types whose weights a :class:`GroupedWeight` holds exactly."""
 
@@ -65,8 +66,8 @@ class GroupedWeight:
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
-        if self.codes.dtype != torch.uint8 or self.bits not in (4, 7, 8):
-            raise ValueError(f"GroupedWeight needs uint8 codes and bits 4, 7 or 8, got {self.codes.dtype}, "
+        if self.codes.dtype != torch.uint8 or self.bits not in (4, 5, 7, 8):
+            raise ValueError(f"GroupedWeight needs uint8 codes and bits 4, 5, 7 or 8, got {self.codes.dtype}, "
                              f"{self.bits}")
         if self.group_size <= 0 or k % self.group_size:
             raise ValueError(f"GroupedWeight: group_size {self.group_size} does not divide the {k} columns")

@@ -1,7 +1,8 @@
 """A linear layer over GGUF's quantized weights as the file stores them: no requantization, no rounding.
 
     GroupedLinear   w[n, k] = code[n, k] * scale[n, k // group_size] + min[n, k // group_size]
-                    codes 0..15 (bits 4), 0..127 (bits 7) or 0..255 (bits 8), scale and min float32
+                    codes 0..15 (bits 4), 0..31 (bits 5), 0..127 (bits 7) or 0..255 (bits 8), scale and
+                    min float32
 
 which is exactly every GGUF type of ``tokenmill.loading.gguf_groups.NATIVE_TYPES`` (Q4_0 ... Q8_0,
 Q4_K, Q5_K, Q6_K), or a fused projection of several of them (one group size, the smallest; codes in
@@ -11,7 +12,8 @@ Its persistent buffers are the CPU kernel's own layout, built by ``kernels.group
 :class:`~tokenmill.loading.gguf_groups.GroupedWeight` (rows padded with zero codes, scales and mins
 to a multiple of 16, the extra output columns cut)::
 
-    packed  uint8 [Np / 16, K / 4, 32] (bits 4, two codes a byte) or [Np / 16, K / 2, 32] (bits 7, 8)
+    packed  uint8 [Np / 16, K / 4, 32] (bits 4, two codes a byte), [Np / 16, 5 K / 16, 32] (bits 5:
+            the nibbles and a plane of fifth bits) or [Np / 16, K / 2, 32] (bits 7, 8)
     sz      float16 or float32 [Np / 16, K / group_size, 2, 16]: (scale, min) of each group of a tile's
             16 rows, float16 where every value is one exactly (group_cpu_pack decides)
 
@@ -36,8 +38,17 @@ from tokenmill.quantization.linear import QuantizedLinear
 
 ROW_TILE = 16
 """Output channels per tile of the kernel's layout: the rows are padded to a multiple of it."""
-CODES_PER_CHUNK_ROW = {4: 4, 7: 2, 8: 2}
-"""bits -> input columns per 2 bytes of a 32-byte chunk (the packed layout's second dimension is K / this)."""
+BITS = (4, 5, 7, 8)
+
+
+def packed_rows(in_features: int, bits: int) -> int:
+    """The packed layout's second dimension (rows of 32 bytes per tile) for K = ``in_features``."""
+    return {4: in_features // 4, 5: 5 * in_features // 16}.get(bits, in_features // 2)
+
+
+def in_features_of(rows: int, bits: int) -> int:
+    """The inverse of :func:`packed_rows`."""
+    return {4: rows * 4, 5: rows * 16 // 5}.get(bits, rows * 2)
 
 
 def pack_grouped(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,11 +62,22 @@ def pack_grouped(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 def unpack_grouped(packed: torch.Tensor, sz: torch.Tensor, out_features: int, bits: int) -> GroupedWeight:
     """The inverse of :func:`pack_grouped`: the first ``out_features`` rows, as codes, scale and min."""
-    tiles, chunks = packed.shape[:2]
+    tiles = packed.shape[0]
     rows = tiles * ROW_TILE
-    b = packed.view(tiles, chunks, ROW_TILE, 2).permute(0, 2, 1, 3)  # tile, row, chunk, j
-    if bits == 4:  # byte j of a row's chunk c: code 4c + j (low nibble), 4c + 2 + j (high nibble)
+    fifth = None
+    if bits == 5:  # per 4 nibble chunks, one chunk of fifth bits (kernels._five_bit_tiles)
+        groups = packed.view(tiles, -1, 5, 32)
+        fifth = groups[:, :, 4].reshape(tiles, -1, 2, 4).to(torch.int64)  # tile, chunk, pair i, byte
+        masks = (fifth << (8 * torch.arange(4))).sum(-1)  # tile, chunk, i
+        fifth = ((masks[..., None] >> torch.arange(32)) & 1).view(tiles, -1, 2, ROW_TILE, 2)  # ..., r, j
+        fifth = fifth.permute(0, 3, 1, 2, 4).to(torch.uint8)  # tile, row, chunk, i, j
+        packed = groups[:, :, :4].reshape(tiles, -1, 32)
+    chunks = packed.shape[1]
+    b = packed.reshape(tiles, chunks, ROW_TILE, 2).permute(0, 2, 1, 3)  # tile, row, chunk, j
+    if bits in (4, 5):  # byte j of a row's chunk c: code 4c + j (low nibble), 4c + 2 + j (high nibble)
         b = torch.stack((b & 0x0F, b >> 4), dim=3)
+        if fifth is not None:
+            b = b | (fifth << 4)
     codes = b.reshape(rows, -1)
     groups = sz.shape[1]
     scale, min_ = sz.float().permute(2, 0, 3, 1).reshape(2, rows, groups)
@@ -68,9 +90,9 @@ class GroupedLinear(QuantizedLinear):
 
     def __init__(self, packed: torch.Tensor, sz: torch.Tensor, out_features: int, group_size: int, bits: int,
                  bias: torch.Tensor | None = None) -> None:
-        if bits not in CODES_PER_CHUNK_ROW:
-            raise ValueError(f"GroupedLinear: bits must be 4, 7 or 8, got {bits}")
-        super().__init__(packed.shape[1] * CODES_PER_CHUNK_ROW[bits], out_features, bias)
+        if bits not in BITS:
+            raise ValueError(f"GroupedLinear: bits must be 4, 5, 7 or 8, got {bits}")
+        super().__init__(in_features_of(packed.shape[1], bits), out_features, bias)
         if group_size <= 0 or self.in_features % group_size or sz.shape[1] * group_size != self.in_features:
             raise ValueError(f"GroupedLinear: {sz.shape[1]} groups of {group_size} do not make {self.in_features} "
                              "input columns")
@@ -87,7 +109,7 @@ class GroupedLinear(QuantizedLinear):
               bias_dtype: torch.dtype = torch.float32, device: torch.device | str = "meta") -> GroupedLinear:
         """Right shapes, no values: to be filled by ``load_state_dict(..., assign=True)``."""
         tiles = -(-out_features // ROW_TILE)
-        return cls(torch.empty(tiles, in_features // CODES_PER_CHUNK_ROW[bits], 32, dtype=torch.uint8, device=device),
+        return cls(torch.empty(tiles, packed_rows(in_features, bits), 32, dtype=torch.uint8, device=device),
                    torch.empty(tiles, in_features // group_size, 2, ROW_TILE, dtype=torch.float32, device=device),
                    out_features, group_size, bits,
                    torch.empty(out_features, dtype=bias_dtype, device=device) if bias else None)

@@ -11,7 +11,7 @@ q in 0..15 and one (scale, zero) per group of ``group_size`` input columns; the 
 repacked once into each device's own layout (``_convert_weight_to_int4pack_for_cpu`` /
 ``_convert_weight_to_int4pack``) and multiplied by ``_weight_int4pack_mm_for_cpu`` /
 ``_weight_int4pack_mm`` with ``scales_and_zeros [K / group_size, N, 2]``.
-Grouped codes (GGUF's Q4_0 .. Q8_0 and K-quants, ``w = code * scale + min``, bits 4, 7 or 8): on CPU
+Grouped codes (GGUF's Q4_0 .. Q8_0 and K-quants, ``w = code * scale + min``, bits 4, 5, 7 or 8): on CPU
 tokenmill's ``group_weight_linear`` (tokenmill/kernels/cpu/group_linear.cpp, layout built by
 :func:`group_cpu_pack`), the same kernel as INT4's.
 W8A8: ``torch._int_mm(x_int8 [M, K], w_int8 [N, K].t())`` -> int32 [M, N]. On CPU it is oneDNN's
@@ -103,6 +103,21 @@ def _nibble_tiles(q: torch.Tensor) -> torch.Tensor:
     return (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(n // 16, -1, 32).contiguous()
 
 
+def _five_bit_tiles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] in 0..31 (N % 16 == 0, K % 16 == 0) -> [N / 16, 5 K / 16, 32]: per 4 chunks
+    of :func:`_nibble_tiles` (the low 4 bits), one 32-byte chunk of their fifth bits, 8 bytes per
+    chunk c: a little-endian 32-bit mask for k pair 2c (bit 2r + j: code[r, 4c + j] >> 4) and one
+    for k pair 2c + 1 (bit 2r + j: code[r, 4c + 2 + j] >> 4)."""
+    n, k = q.shape
+    nibbles = _nibble_tiles(q & 15).view(n // 16, k // 16, 4, 32)  # tile, super-chunk, chunk, byte
+    high = (q >> 4).view(n // 16, 16, k // 4, 2, 2)  # tile, row, chunk, pair i, j
+    bits = high.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 4, 2, 32).to(torch.int64)  # bit w = 2r + j
+    masks = (bits << torch.arange(32)).sum(-1)  # [tiles, chunks, 2] as integers < 2^32
+    le = torch.stack([(masks >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)  # [tiles, chunks, 2, 4]
+    fifth = le.reshape(n // 16, k // 16, 1, 32)  # 4 chunks x 8 bytes
+    return torch.cat((nibbles, fifth), dim=2).reshape(n // 16, 5 * k // 16, 32).contiguous()
+
+
 def _tile_scales(scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """scale and zero / min [N, G] -> [N / 16, G, 2, 16] in ``dtype``."""
     n = scale.shape[0]
@@ -119,7 +134,7 @@ def int4_cpu_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor)
     return weight, _tile_scales(scale, zero, dtype)
 
 
-GROUP_BITS = {4: (4, 15), 7: (2, 127), 8: (2, 255)}
+GROUP_BITS = {4: (4, 15), 5: (4, 31), 7: (2, 127), 8: (2, 255)}
 """bits -> (input columns per 32-byte chunk of a 16-row tile, largest code)."""
 
 
@@ -136,13 +151,16 @@ def group_cpu_pack(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
         bits 8: codes 0..255 -> packed uint8 [N / 16, K / 2, 32], chunk c of a 16-row tile holding
                 byte 2r + j = codes[r, 2c + j] (group_size % 2 == 0)
         bits 7: codes 0..127, bits 8's layout (the kernel widens them in 2 instructions, not 6)
+        bits 5: codes 0..31 -> packed uint8 [N / 16, 5 K / 16, 32]: bits 4's nibble tiles of the low 4
+                bits, with after every 4 chunks one chunk of their fifth bits (see :func:`_five_bit_tiles`;
+                K % 16 == 0, group_size % 4 == 0)
         sz [N / 16, G, 2, 16]: (scale, min) of each group of a tile's 16 rows, float16 when every
            scale and min is a float16 value exactly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: half the bytes
            the kernel streams per group), else float32 (the K-quants' d * sc products)
 
     Returns (packed, sz) for :func:`group_weight_mm`."""
     if bits not in GROUP_BITS:
-        raise ValueError(f"group_cpu_pack: bits must be 4, 7 or 8, got {bits}")
+        raise ValueError(f"group_cpu_pack: bits must be 4, 5, 7 or 8, got {bits}")
     per_chunk, largest = GROUP_BITS[bits]
     if codes.dim() != 2 or codes.dtype != torch.uint8:
         raise ValueError(f"group_cpu_pack: codes must be uint8 [N, K], got {codes.dtype} {tuple(codes.shape)}")
@@ -158,8 +176,12 @@ def group_cpu_pack(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
                          f"columns for bits {bits}")
     if codes.numel() and int(codes.max()) > largest:
         raise ValueError(f"group_cpu_pack: bits {bits} codes must be in 0..{largest}, got {int(codes.max())}")
+    if bits == 5 and k % 16:
+        raise ValueError(f"group_cpu_pack: bits 5 needs K a multiple of 16, got {k}")
     if bits == 4:
         weight = _nibble_tiles(codes.contiguous())
+    elif bits == 5:
+        weight = _five_bit_tiles(codes.contiguous())
     else:
         weight = codes.contiguous().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
         weight = weight.contiguous()

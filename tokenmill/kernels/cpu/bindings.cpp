@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales_zeros"), py::arg("group_size"), py::kw_only(), path);
   m.def("group_linear_fast", &group_linear_fast, "whether group_weight_linear has its AVX-512 BF16 path");
   m.def("group_weight_linear", &group_weight_linear,
-        "weight-only linear over grouped codes (w = code * scale + min, bits 4, 7 or 8), any number of rows (CPU)",
+        "weight-only linear over grouped codes (w = code * scale + min, bits 4, 5, 7 or 8), any number of rows (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("sz"), py::arg("group_size"), py::arg("bits"), py::kw_only(),
         py::arg("out_float32") = false, path);
   m.def("bf16_linear_fast", &bf16_linear_fast, "whether bf16_packed_linear can run here (AVX-512 BF16)");

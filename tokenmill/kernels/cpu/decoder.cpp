@@ -206,20 +206,20 @@ enum class LinearKind {
   Bf16Packed,  // bf16_packed_linear; weight packed by bf16_pack from a bfloat16 [N, K]
   Int8,        // int8_weight_linear; weight int8 [N, K], scales [N] in the model dtype
   Int4,        // int4_weight_linear; weight and scales in int4_cpu_pack's layout, N a multiple of 16
-  Grouped,     // group_weight_linear; weight and (scale, min) in group_cpu_pack's layout, bits 4, 7 or 8
+  Grouped,     // group_weight_linear; weight and (scale, min) in group_cpu_pack's layout, bits 4, 5, 7 or 8
 };
 
 // One linear layer as the model holds it, checked once when the stack is built.
 // Invariants: Int8, Int4 and Grouped have scales; Int4 and Grouped have group_size > 0 and
 // in_features a whole number of groups (the input is zero-padded up to it), and their output is cut
-// to out_features; Grouped has bits 4, 7 or 8.
+// to out_features; Grouped has bits 4, 5, 7 or 8.
 struct Linear {
   LinearKind kind = LinearKind::Dense;
   torch::Tensor weight, scales, bias;  // scales, bias: undefined when absent
   int64_t out_features = 0;
   int64_t in_features = 0;  // columns the kernel takes: the layer's own, or Int4's padded to whole groups
   int64_t group_size = 0;   // Int4 and Grouped only
-  int64_t bits = 0;         // Grouped only: 4, 7 or 8
+  int64_t bits = 0;         // Grouped only: 4, 5, 7 or 8
 
   Linear() = default;
   Linear(LinearKind kind_, torch::Tensor weight_, int64_t out_features_, int64_t in_features_,
@@ -235,8 +235,8 @@ struct Linear {
                 "Linear: INT8, INT4 and GROUPED weights need their scales");
     TORCH_CHECK(!grouped || (group_size > 0 && in_features % group_size == 0),
                 "Linear: INT4 and GROUPED need group_size > 0 dividing in_features");
-    TORCH_CHECK(kind != LinearKind::Grouped || bits == 4 || bits == 7 || bits == 8,
-                "Linear: GROUPED needs bits 4, 7 or 8, got ",
+    TORCH_CHECK(kind != LinearKind::Grouped || bits == 4 || bits == 5 || bits == 7 || bits == 8,
+                "Linear: GROUPED needs bits 4, 5, 7 or 8, got ",
                 bits);
   }
 

@@ -2,12 +2,12 @@
 // group of group_size input columns and output channel. Built at first use by
 // tokenmill/kernels/cpu_ops.py. Two conventions share everything below:
 //   Grouped  (group_weight_linear):  w[n, k] = code[n, k] * scale[n, g] + min[n, g],  g = k / group_size,
-//            codes 0..15 (bits 4), 0..127 (bits 7, one a byte) or 0..255 (bits 8): the GGUF types
-//            (Q4_0 .. Q8_0, Q4_K .. Q6_K) exactly;
+//            codes 0..15 (bits 4), 0..31 (bits 5), 0..127 (bits 7, one a byte) or 0..255 (bits 8):
+//            the GGUF types (Q4_0 .. Q8_0, Q4_K .. Q6_K) exactly;
 //   Tinygemm (int4_weight_linear, int4_linear.cpp): w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g].
-// The kernel multiplies by codes shifted to c = code - o (o = 8 for 4 bits, 128 for 8 bits, -128 for
-// 7 bits; Tinygemm's q - 8 is that with o = 8), which bfloat16 holds exactly, and folds the offset
-// into the minimum:
+// The kernel multiplies by codes shifted to c = code - o (o = 8 for 4 bits, 16 for 5, 128 for 8,
+// -128 for 7; Tinygemm's q - 8 is that with o = 8), which bfloat16 holds exactly, and folds the
+// offset into the minimum:
 //   w = c * scale + mn,  mn = min + o * scale (Grouped, one float32 fma per group), mn = zero (Tinygemm)
 //   out[m, n] = sum_g scale[n, g] * (sum_{k in g} c[n, k] x[m, k]) + mn[n, g] * sx[m, g]
 // with sx[m, g] the sum of x over the group as the products see it. Signed codes keep the group sums
@@ -25,6 +25,10 @@
 //   bits 8: [N / 16, K / 2, 32], chunk c byte 2r + j = code[r, 2c + j] (xor 0x80 = code - 128 as int8,
 //           widened to int32, to float, two vectors packed to bfloat16 pairs)
 //   bits 7: bits 8's layout, each byte widened to a word and OR'd with 0x4300 (bfloat16 128 + code)
+//   bits 5: [N / 16, 5 K / 16, 32]: bits 4's nibble chunks of the low 4 bits, and after every 4 of
+//           them one 32-byte chunk of their fifth bits (8 bytes per chunk: a 32-bit mask for its
+//           k pair 2c, bit w = word w, then one for 2c + 1), set into bit 4 of the vpermw index
+//           (a 32-entry table of code - 16): 5 / 8 of a byte per weight, as Q5_0 and Q5_1 store them
 // and (scale, min) [N / 16, G, 2, 16] (float32, or float16 where every value is one exactly: GGUF's
 // Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, half the bytes; Tinygemm also bfloat16), read once per group.
 //
@@ -100,12 +104,27 @@ struct Problem {
   const uint8_t* w;    // [N / 16, K / 4 or K / 2, 32]
   const S* sz;         // [N / 16, G, 2, 16]
   int64_t M, K, N, G, gs;
-  int bits;            // 4 or 8
+  int bits;            // 4, 5, 7 or 8
   bool shift_min;      // Grouped: mn = min + o * scale; Tinygemm: mn = zero
 };
 
 // The codes' offset o: the kernel multiplies by code - o.
-inline int code_offset(int bits) { return bits == 4 ? 8 : bits == 7 ? -128 : 128; }
+inline int code_offset(int bits) { return bits == 4 ? 8 : bits == 5 ? 16 : bits == 7 ? -128 : 128; }
+
+// Rows of 32 bytes in one 16-row tile of packed codes (see the layouts above).
+inline int64_t tile_rows(int64_t K, int bits) { return bits == 4 ? K / 4 : bits == 5 ? 5 * K / 16 : K / 2; }
+
+// Where chunk c of a tile starts (its nibbles, for bits 5).
+inline const uint8_t* chunk_at(const uint8_t* tile, int64_t c, int bits) {
+  return bits == 5 ? tile + (c >> 2) * 160 + (c & 3) * 32 : tile + c * 32;
+}
+
+// Bits 5: the fifth bits of chunk c, k pair 2c + i (i = 0, 1), bit w for word w = 2r + j.
+inline uint32_t fifth_bits(const uint8_t* tile, int64_t c, int i) {
+  uint32_t m;
+  std::memcpy(&m, tile + (c >> 2) * 160 + 128 + (c & 3) * 8 + 4 * i, sizeof(m));
+  return m;
+}
 
 // x as the kernels take it: bfloat16 bits (high and, for float32 x, low parts) and group sums, each
 // row by itself (rows in parallel), so a row's values do not depend on the batch.
@@ -205,18 +224,37 @@ struct Unpack<4> {
     for (int i = 0; i < 32; ++i) t[i] = float_to_bf16_bits(static_cast<float>((i & 15) - 8));
     table = _mm512_load_si512(t);
   }
-  inline void operator()(const uint8_t* chunk, __m512bh* v) const {
-    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+  inline void operator()(const uint8_t* tile, int64_t c, __m512bh* v) const {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + c * 32)));
     v[0] = (__m512bh)_mm512_permutexvar_epi16(b, table);
     v[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
   }
 };
 
 template <>
+struct Unpack<5> {
+  static constexpr int kPairs = 2;
+  __m512i table;
+  Unpack() {  // bfloat16 of i - 16, i = 0 .. 31: the whole 5-bit index
+    alignas(64) uint16_t t[32];
+    for (int i = 0; i < 32; ++i) t[i] = float_to_bf16_bits(static_cast<float>(i - 16));
+    table = _mm512_load_si512(t);
+  }
+  inline void operator()(const uint8_t* tile, int64_t c, __m512bh* v) const {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk_at(tile, c, 5))));
+    const __m512i h0 = _mm512_maskz_set1_epi16(static_cast<__mmask32>(fifth_bits(tile, c, 0)), 0x10);
+    const __m512i h1 = _mm512_maskz_set1_epi16(static_cast<__mmask32>(fifth_bits(tile, c, 1)), 0x10);
+    // (b & 15) | h0 (ternary logic 0xEA: A & B | C); the high nibble is alone in b >> 4
+    v[0] = (__m512bh)_mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(b, _mm512_set1_epi16(0x0F), h0, 0xEA), table);
+    v[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(b, 4), h1), table);
+  }
+};
+
+template <>
 struct Unpack<8> {
   static constexpr int kPairs = 1;
-  inline void operator()(const uint8_t* chunk, __m512bh* v) const {
-    const __m256i b = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)),
+  inline void operator()(const uint8_t* tile, int64_t c, __m512bh* v) const {
+    const __m256i b = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + c * 32)),
                                        _mm256_set1_epi8(static_cast<char>(0x80)));  // code - 128, as int8
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
@@ -227,8 +265,8 @@ struct Unpack<8> {
 template <>
 struct Unpack<7> {
   static constexpr int kPairs = 1;
-  inline void operator()(const uint8_t* chunk, __m512bh* v) const {
-    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+  inline void operator()(const uint8_t* tile, int64_t c, __m512bh* v) const {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + c * 32)));
     v[0] = (__m512bh)_mm512_or_si512(b, _mm512_set1_epi16(0x4300));  // bfloat16 128 + code, code < 128
   }
 };
@@ -284,8 +322,8 @@ template <int MB, int NT, int Bits, typename T, typename S>
 void strip_rows(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, int64_t m0, T* y) {
   constexpr bool kTwo = std::is_same_v<T, float>;
   constexpr int P = Unpack<Bits>::kPairs;
-  const int64_t chunks = p.K / (2 * P);
-  const uint8_t* wt = p.w + t0 * chunks * 32;
+  const int64_t tile_bytes = tile_rows(p.K, p.bits) * 32;
+  const uint8_t* wt = p.w + t0 * tile_bytes;
   const S* szt = p.sz + t0 * p.G * 32;
   const float offset = static_cast<float>(code_offset(p.bits));
   const uint16_t* xh = p.xh + m0 * p.K;
@@ -307,7 +345,7 @@ void strip_rows(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, int
     for (int64_t c = c0; c < c0 + chunks_per_group; ++c) {
       __m512bh v[NT][P];
 #pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) unpack(wt + (t * chunks + c) * 32, v[t]);
+      for (int t = 0; t < NT; ++t) unpack(wt + t * tile_bytes, c, v[t]);
 #pragma GCC unroll 2
       for (int i = 0; i < P; ++i) {
         const int64_t pair = c * P + i;
@@ -497,10 +535,10 @@ bool unpack_strip(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, u
   const float offset = static_cast<float>(code_offset(p.bits));
   __mmask16 nonzero = 0;
   for (int t = 0; t < NB; ++t) {
-    const uint8_t* wt = p.w + (t0 + t) * chunks * 32;
+    const uint8_t* wt = p.w + (t0 + t) * tile_rows(p.K, p.bits) * 32;
     for (int64_t c = 0; c < chunks; ++c) {
       __m512bh v[P];
-      unpack(wt + c * 32, v);
+      unpack(wt, c, v);
       for (int i = 0; i < P; ++i) _mm512_store_si512(w + ((c * P + i) * NB + t) * 32, (__m512i)v[i]);
     }
     const S* szt = p.sz + (t0 + t) * p.G * 32;
@@ -554,10 +592,10 @@ constexpr int64_t kGemmRows = 10;
 // Portable path: the same sums, one product at a time.
 template <typename T, typename S>
 void tiles_portable(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
-  const int64_t per_chunk = p.bits == 4 ? 4 : 2;  // k per 32-byte chunk
+  const int64_t per_chunk = p.bits == 4 || p.bits == 5 ? 4 : 2;  // k per chunk
   const float offset = static_cast<float>(code_offset(p.bits));
   for (int64_t t = t_begin; t < t_end; ++t) {
-    const uint8_t* wt = p.w + t * (p.K / per_chunk) * 32;
+    const uint8_t* wt = p.w + t * tile_rows(p.K, p.bits) * 32;
     const S* szt = p.sz + t * p.G * 32;
     for (int64_t m = 0; m < p.M; ++m)
       for (int r = 0; r < 16; ++r) {
@@ -567,9 +605,10 @@ void tiles_portable(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
           for (int64_t k = g * p.gs; k < (g + 1) * p.gs; ++k) {
             const int64_t c = k / per_chunk, j = k % per_chunk;
             int code;
-            if (p.bits == 4) {
-              const uint8_t byte = wt[c * 32 + 2 * r + (j & 1)];
+            if (p.bits == 4 || p.bits == 5) {
+              const uint8_t byte = chunk_at(wt, c, p.bits)[2 * r + (j & 1)];
               code = j < 2 ? byte & 15 : byte >> 4;
+              if (p.bits == 5) code |= static_cast<int>((fifth_bits(wt, c, j >> 1) >> (2 * r + (j & 1))) & 1) << 4;
             } else {
               code = wt[c * 32 + 2 * r + j];
             }
@@ -598,12 +637,14 @@ void run(const Problem<S>& p, T* y, bool generic) {
       const auto* xp = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
       at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
         if (p.bits == 4) tiles_many_rows<4>(p, xp, rb, begin, end, y);
+        else if (p.bits == 5) tiles_many_rows<5>(p, xp, rb, begin, end, y);
         else if (p.bits == 7) tiles_many_rows<7>(p, xp, rb, begin, end, y);
         else tiles_many_rows<8>(p, xp, rb, begin, end, y);
       });
     } else {
       at::parallel_for(0, tiles, few_rows_tiles(p.M), [&](int64_t begin, int64_t end) {
         if (p.bits == 4) tiles_few_rows<4>(p, begin, end, y);
+        else if (p.bits == 5) tiles_few_rows<5>(p, begin, end, y);
         else if (p.bits == 7) tiles_few_rows<7>(p, begin, end, y);
         else tiles_few_rows<8>(p, begin, end, y);
       });
@@ -647,18 +688,22 @@ torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& 
 
 torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,
                                   int64_t bits, bool out_float32, KernelPath path) {
-  TORCH_CHECK(bits == 4 || bits == 7 || bits == 8, "group_weight_linear: bits must be 4, 7 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 7 || bits == 8, "group_weight_linear: bits must be 4, 5, 7 or 8, got ",
+              bits);
   TORCH_CHECK(x.dim() == 2, "group_weight_linear: x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
               "group_weight_linear: x must be float32 or bfloat16");
-  const int64_t per_chunk = bits == 4 ? 4 : 2;
+  const int64_t per_chunk = bits == 4 || bits == 5 ? 4 : 2;
+  const char* rows = bits == 4 ? "K / 4" : bits == 5 ? "5 K / 16" : "K / 2";
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == 32,
-              "group_weight_linear: packed weight must be uint8 [N / 16, K / ", per_chunk, ", 32] for bits ", bits);
+              "group_weight_linear: packed weight must be uint8 [N / 16, ", rows, ", 32] for bits ", bits);
   TORCH_CHECK(group_size > 0 && group_size % per_chunk == 0, "group_weight_linear: group_size must be a positive "
               "multiple of ", per_chunk, " for bits ", bits, ", got ", group_size);
   const int64_t K = x.size(1);
-  TORCH_CHECK(packed.size(1) * per_chunk == K, "group_weight_linear: x has ", K, " columns, the weight ",
-              packed.size(1) * per_chunk);
+  TORCH_CHECK(bits != 5 || K % 16 == 0, "group_weight_linear: bits 5 needs K a multiple of 16, got ", K);
+  TORCH_CHECK(packed.size(1) == tile_rows(K, static_cast<int>(bits)), "group_weight_linear: x has ", K,
+              " columns, the weight ", packed.size(1), " rows of 32 bytes per tile (", rows, " = ",
+              tile_rows(K, static_cast<int>(bits)), " expected)");
   TORCH_CHECK(K % group_size == 0, "group_weight_linear: K = ", K, " is not a whole number of groups of ", group_size);
   TORCH_CHECK(sz.dim() == 4 && sz.size(0) == packed.size(0) && sz.size(1) == K / group_size && sz.size(2) == 2 &&
                   sz.size(3) == 16,

@@ -85,7 +85,8 @@ def test_generate_and_chat_offer_the_load_and_engine_options() -> None:
 def test_llm_takes_every_load_and_engine_option_by_name_with_its_default() -> None:
     params = inspect.signature(LLM).parameters
     expected = [f for cls in (LoadConfig, *ENGINE_OPTIONS) for f in option_fields(cls)]
-    assert list(params) == [f.name for f in expected]
+    assert list(params) == [f.name for f in expected] + ["speculative"]  # and vLLM's speculative={...} dict
+    assert params["speculative"].default is None
     for f in expected:
         assert params[f.name].default == f.default, f.name
         assert f.metadata["help"] in " ".join(LLM.__doc__.split()), f.name

@@ -19,6 +19,7 @@ from tokenmill.engine import (
     LLMEngine,
     OutputAccumulator,
     RequestOutput,
+    SpeculativeConfig,
 )
 from tokenmill.errors import InvalidParameterError
 from tokenmill.loader import load_model
@@ -38,7 +39,13 @@ class LLM:
     --help``); an unknown name is an error that lists the known ones.
     """
 
-    def __init__(self, model: str | None = None, **options: Any) -> None:
+    def __init__(self, model: str | None = None, speculative: dict[str, Any] | None = None, **options: Any) -> None:
+        if speculative is not None:  # vLLM's form: speculative={"method": "ngram", "num_speculative_tokens": 4}
+            flat = SpeculativeConfig.options_of(speculative)
+            both = sorted(set(flat) & set(options))
+            if both:
+                raise InvalidParameterError(f"{', '.join(both)} given both in speculative and as an option")
+            options = {**options, **flat}
         load, *engine_parts = split_options({"model": model, **options}, LoadConfig, *ENGINE_OPTIONS)
         load_config = LoadConfig(**load)
         engine_config = EngineConfig.from_parts(*engine_parts)
@@ -114,6 +121,7 @@ def _signature() -> inspect.Signature:
         for f in option_fields(cls):
             kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "model" else inspect.Parameter.KEYWORD_ONLY
             params.append(inspect.Parameter(f.name, kind, default=f.default))
+    params.append(inspect.Parameter("speculative", inspect.Parameter.KEYWORD_ONLY, default=None))
     return inspect.Signature(params)
 
 

@@ -133,3 +133,14 @@ def test_sampling_and_penalties_do_not_draft(tiny_dir):
                                     SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=20)],
                  use_tqdm=False)
     assert llm.engine.drafter.num_draft_tokens == 0
+
+
+def test_the_speculative_dict_sets_the_options(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu",
+              speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    config = llm.engine.config.speculative
+    assert (config.speculative_method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 3, 3)
+    with pytest.raises(InvalidParameterError, match="unknown key.*draft_tensor_parallel_size.*known: method"):
+        LLM(str(tiny_dir), speculative={"method": "ngram", "draft_tensor_parallel_size": 1})
+    with pytest.raises(InvalidParameterError, match="num_speculative_tokens given both"):
+        LLM(str(tiny_dir), speculative={"num_speculative_tokens": 2}, num_speculative_tokens=3)

@@ -92,6 +92,20 @@ class SpeculativeConfig(Config):
     prompt_lookup_min: int = option(2, "ngram: the shortest n-gram looked up")
     prompt_lookup_max: int = option(4, "ngram: the longest n-gram looked up (tried first)")
 
+    KEYS: ClassVar[dict[str, str]] = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+                                      "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
+    """``LLM(speculative={...})``'s keys (vLLM's) and the options they set."""
+
+    @classmethod
+    def options_of(cls, speculative: dict[str, Any]) -> dict[str, Any]:
+        """``{"method": "ngram", "num_speculative_tokens": 4}`` as the flat options it stands for."""
+        if not isinstance(speculative, dict):
+            raise InvalidParameterError(f"speculative must be a dict such as {{'method': 'ngram'}}, got {speculative!r}")
+        unknown = sorted(set(speculative) - set(cls.KEYS))
+        if unknown:
+            raise InvalidParameterError(f"speculative: unknown key(s) {', '.join(unknown)}; known: {', '.join(cls.KEYS)}")
+        return {cls.KEYS[k]: v for k, v in speculative.items()}
+
     def __post_init__(self) -> None:
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise InvalidParameterError(f"unknown speculative_method {self.speculative_method!r}; use one of "

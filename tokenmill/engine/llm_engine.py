@@ -234,8 +234,8 @@ class LLMEngine:
             request.first_token_time = request.first_token_time or now
             self._append(seq, sample)
             changed[request.request_id] = request
-        for item, rows in verifying:
-            self._verify(item, rows)
+        for item, draft_logits in verifying:
+            self._verify(item, draft_logits)
             changed[item.seq.request_id] = self.requests[item.seq.request_id]
 
     def _verify(self, item: ScheduledSequence, logits: torch.Tensor) -> None:
@@ -249,7 +249,8 @@ class LLMEngine:
         seq.num_computed_tokens += 1 + kept  # its last token and the kept draft; the next token is new
         self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
         self.kv.cache_blocks(seq.seq_id, seq.all_token_ids + draft[:kept], seq.num_computed_tokens)
-        self.requests[seq.request_id].first_token_time = self.requests[seq.request_id].first_token_time or time.monotonic()
+        request = self.requests[seq.request_id]
+        request.first_token_time = request.first_token_time or time.monotonic()
         for sample in samples[:kept + 1]:
             self._append(seq, sample)
             if seq.status.finished:

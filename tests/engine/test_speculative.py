@@ -122,6 +122,9 @@ def test_aborting_a_drafting_request_frees_its_blocks(tiny_dir):
     for _ in range(6):
         engine.step()
     assert engine.drafter.num_draft_tokens > 0 and engine.num_used_blocks > 0
+    snap = engine.snapshot()  # what /metrics reads
+    assert (snap.spec_draft_tokens, snap.spec_accepted_tokens) == (engine.drafter.num_draft_tokens,
+                                                                   engine.drafter.num_accepted_tokens)
     engine.abort("r")
     assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
 

@@ -171,8 +171,10 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         """The engine's state now: running and waiting sequences, KV use, prefix-cache and preemption counters."""
         prefix = self.kv.prefix_cache_stats
+        drafter = self.drafter
         return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting, self.num_used_blocks,
-                              self.kv.usage, prefix.queries, prefix.hits, self.scheduler.num_preemptions)
+                              self.kv.usage, prefix.queries, prefix.hits, self.scheduler.num_preemptions,
+                              drafter.num_draft_tokens if drafter else 0, drafter.num_accepted_tokens if drafter else 0)
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:

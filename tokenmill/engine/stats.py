@@ -47,3 +47,7 @@ class EngineSnapshot:
     """Of those, blocks found."""
     num_preemptions: int = 0
     """Sequences preempted so far."""
+    spec_draft_tokens: int = 0
+    """Drafted tokens verified so far (speculative decoding)."""
+    spec_accepted_tokens: int = 0
+    """Of those, the ones kept."""

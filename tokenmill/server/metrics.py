@@ -57,6 +57,10 @@ class ServerMetrics:
                                       **labels)
         self.prefix_hits = Counter("tokenmill:prefix_cache_hits", "Prompt tokens found in the prefix cache", **labels)
         self.preemptions = Counter("tokenmill:num_preemptions", "Sequences preempted (recomputed later)", **labels)
+        self.spec_draft = Counter("tokenmill:spec_decode_num_draft_tokens",
+                                  "Drafted tokens verified (speculative decoding)", **labels)
+        self.spec_accepted = Counter("tokenmill:spec_decode_num_accepted_tokens",
+                                     "Drafted tokens kept by verification", **labels)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens of finished requests", **labels)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Generated tokens", **labels)
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
@@ -88,6 +92,8 @@ class ServerMetrics:
         self.prefix_queries.labels(m).inc(snap.prefix_queries - last.prefix_queries)
         self.prefix_hits.labels(m).inc(snap.prefix_hits - last.prefix_hits)
         self.preemptions.labels(m).inc(snap.num_preemptions - last.num_preemptions)
+        self.spec_draft.labels(m).inc(snap.spec_draft_tokens - last.spec_draft_tokens)
+        self.spec_accepted.labels(m).inc(snap.spec_accepted_tokens - last.spec_accepted_tokens)
         self._last = snap
 
     def set_queued(self, queued_in_server: int, engine_waiting: int) -> None:

@@ -1,0 +1,23 @@
+"""The speculative-decoding counters in /metrics (vLLM's names, tokenmill's prefix), fed from the
+engine snapshots the server observes after each loop iteration."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.engine import EngineSnapshot
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.tenancy import Tenancy
+
+
+def _samples(metrics: ServerMetrics) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+
+
+def test_drafted_and_accepted_tokens_are_counted_from_the_snapshots():
+    metrics = ServerMetrics("m", Tenancy())
+    metrics.observe_snapshot(EngineSnapshot(spec_draft_tokens=8, spec_accepted_tokens=5))
+    metrics.observe_snapshot(EngineSnapshot(spec_draft_tokens=12, spec_accepted_tokens=6))
+    got = _samples(metrics)
+    assert got["tokenmill:spec_decode_num_draft_tokens_total"] == 12
+    assert got["tokenmill:spec_decode_num_accepted_tokens_total"] == 6

@@ -147,3 +147,33 @@ def test_the_speculative_dict_sets_the_options(tiny_dir):
         LLM(str(tiny_dir), speculative={"method": "ngram", "draft_tensor_parallel_size": 1})
     with pytest.raises(InvalidParameterError, match="num_speculative_tokens given both"):
         LLM(str(tiny_dir), speculative={"num_speculative_tokens": 2}, num_speculative_tokens=3)
+
+
+def test_a_draft_takes_only_what_every_running_sequence_leaves():
+    """Two decoding sequences, one free block: the more important one's draft waits until both have
+    their next token's slot, then takes what is left (here nothing, so it is dropped); nobody is
+    preempted for a draft."""
+    from tokenmill.engine.config import SchedulerConfig
+    from tokenmill.engine.request import Sequence
+    from tokenmill.engine.sampler import SamplingState
+    from tokenmill.engine.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks=5, block_size=4)  # 4 usable blocks (block 0 is the null block)
+    sched = Scheduler(SchedulerConfig(), kv)
+    seqs = []
+    for name, priority in (("a", 0), ("b", 1)):
+        ids = list(range(1, 5))  # a full block each
+        seq = Sequence(name, 0, ids, SamplingState.create(SamplingParams(max_tokens=20), ids), detokenizer=None,
+                       priority=priority)
+        sched.add(seq)
+        seqs.append(seq)
+    out = sched.schedule()  # both prompts: 1 block each
+    for item in out.scheduled:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        item.seq.append_token(9)
+    assert kv.num_free_blocks == 2
+    a, b = seqs
+    a.draft_token_ids = [9, 9, 9, 9, 9]  # would need 2 more blocks
+    out = sched.schedule()
+    assert [(i.seq.request_id, i.num_new_tokens, i.num_draft) for i in out.scheduled] == [("a", 4, 3), ("b", 1, 0)]
+    assert not out.preempted and a.draft_token_ids == [9, 9, 9] and kv.num_free_blocks == 0

@@ -7,7 +7,9 @@ Each step moves sequences' ``num_computed_tokens`` toward ``num_tokens``::
        (1 token when decoding, the rest of its prompt, capped, when prefilling);
        when the KV pool runs dry, the least important running sequence is preempted
        (its blocks freed, recomputed later), never the one being served before it
-    2. if nobody was preempted: waiting sequences, most important first, get their
+    2. speculative decoding: the scheduled decoding sequences with a draft get slots for it
+       too, from free blocks and the budget left (never by preempting; not in a step that preempted)
+    3. if nobody was preempted: waiting sequences, most important first, get their
        prompt (after the prefix-cache hit) in chunks of what the budget has left
 
 So a long prompt is cut into chunks and never blocks running decodes (no head-of-line
@@ -115,14 +117,10 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            if seq.draft_token_ids and self._allocate_draft(seq, budget):
-                n = 1 + len(seq.draft_token_ids)
-                out.scheduled.append(ScheduledSequence(seq, n, len(seq.draft_token_ids)))
-                budget -= n
-                continue
             if self._allocate_or_preempt(seq, n, out):
                 out.scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
+        budget = self._extend_drafts(out, budget)
         if not out.preempted:
             self._admit_waiting(budget, out)
         return out
@@ -135,18 +133,29 @@ class Scheduler:
             return 0
         return min(remaining, budget)
 
-    def _allocate_draft(self, seq: Sequence, budget: int) -> bool:
-        """Slots for a decoding sequence's next token and as much of its draft as the budget takes,
-        from free blocks only (a draft never preempts anyone); False, and no draft, otherwise."""
-        draft = seq.draft_token_ids
-        if seq.num_tokens - seq.num_computed_tokens != 1:  # not decoding: a draft only follows a sampled token
-            draft.clear()
-            return False
-        del draft[max(budget - 1, 0):]
-        if draft and self.kv.allocate_slots(seq.seq_id, seq.tokens_with_draft(), 1 + len(draft)):
-            return True
-        draft.clear()
-        return False
+    def _extend_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """After every running sequence has its tokens: the drafts of the scheduled decoding ones,
+        in the same order, cut to what the budget and the free blocks hold (a draft never preempts,
+        and none is made in a step that preempted). Sequences left without slots lose their draft.
+        -> the budget left."""
+        extended = set()
+        for item in out.scheduled:
+            seq, draft = item.seq, item.seq.draft_token_ids
+            decoding = item.num_new_tokens == 1 and seq.num_tokens - seq.num_computed_tokens == 1
+            if not draft or not decoding or out.preempted:
+                continue
+            del draft[budget:]
+            while draft and not self.kv.allocate_slots(seq.seq_id, seq.tokens_with_draft(), len(draft)):
+                draft.pop()  # as much of it as the free blocks hold (all or nothing per call)
+            if draft:
+                item.num_new_tokens += len(draft)
+                item.num_draft = len(draft)
+                budget -= len(draft)
+                extended.add(id(seq))
+        for seq in self.running:
+            if id(seq) not in extended:
+                seq.draft_token_ids.clear()
+        return budget
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Make room for ``n`` more tokens of ``seq``, preempting less important running sequences."""

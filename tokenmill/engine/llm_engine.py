@@ -171,10 +171,13 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         """The engine's state now: running and waiting sequences, KV use, prefix-cache and preemption counters."""
         prefix = self.kv.prefix_cache_stats
-        drafter = self.drafter
         return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting, self.num_used_blocks,
                               self.kv.usage, prefix.queries, prefix.hits, self.scheduler.num_preemptions,
-                              drafter.num_draft_tokens if drafter else 0, drafter.num_accepted_tokens if drafter else 0)
+                              *self._spec_totals())
+
+    def _spec_totals(self) -> tuple[int, int]:
+        """(drafted, kept) tokens so far; (0, 0) without speculative decoding."""
+        return (self.drafter.num_draft_tokens, self.drafter.num_accepted_tokens) if self.drafter else (0, 0)
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -187,17 +190,16 @@ class LLMEngine:
         for seq in plan.failed:
             self._fail(seq, changed)
         num_sampled = sum(s.completes for s in plan.scheduled)
-        drafted, accepted = (self.drafter.num_draft_tokens, self.drafter.num_accepted_tokens) if self.drafter else (0, 0)
+        spec_before = self._spec_totals()
         if plan.scheduled:
             self._run(plan.scheduled, changed)
         running = self.scheduler.running
+        drafted, kept = (now - before for now, before in zip(self._spec_totals(), spec_before))
         self.stats.append(StepStats(
             len(running), self.scheduler.num_waiting, len(plan.scheduled), plan.num_batched_tokens,
             num_sampled, self.num_used_blocks,
             sum(s.num_computed_tokens for s in running), self.kv.usage, plan.prefix_hit_tokens,
-            len(plan.preempted), time.perf_counter() - start,
-            *((self.drafter.num_draft_tokens - drafted, self.drafter.num_accepted_tokens - accepted)
-              if self.drafter else ())))
+            len(plan.preempted), time.perf_counter() - start, drafted, kept))
         return [self._delta(request) for request in changed.values()]
 
     def _run(self, scheduled: list[ScheduledSequence], changed: dict[str, Request]) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend, KVCache
 from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import ModelConfig
-from tokenmill.models.layers import RMSNorm, Rotary, linear, packed_bf16_linear
+from tokenmill.models.layers import RMSNorm, Rotary, has_hooks, linear, packed_bf16_linear
 
 
 class CausalLM(nn.Module):
@@ -95,10 +95,6 @@ class CausalLM(nn.Module):
         # Heads whose kernel writes float32 directly (the bfloat16-rounded values, widened) skip a
         # conversion pass over [rows, vocab]: a quantized head's forward_float32, a dense one's packed kernel.
         direct = getattr(head, "forward_float32", None)
-        if direct is not None:
+        if direct is not None and not has_hooks(head):
             return direct(h)
-        if type(head) is nn.Linear and not (head._forward_pre_hooks or head._forward_hooks):
-            logits = packed_bf16_linear(head, head.weight, head.bias, h, out_float32=True)
-            if logits is not None:
-                return logits
-        return linear(head, h).float()
+        return linear(head, h, out_float32=True).float()

@@ -52,14 +52,20 @@ def packed_bf16_linear(owner: nn.Module, weight: torch.Tensor, bias: torch.Tenso
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def linear(module: nn.Module, x: torch.Tensor, out_float32: bool = False) -> torch.Tensor:
     """``module(x)``, by ``packed_bf16_linear`` for a dense bfloat16 ``nn.Linear`` on CPU (one
-    without hooks: calibration observes the inputs of the modules it hooks)."""
-    if type(module) is nn.Linear and not (module._forward_pre_hooks or module._forward_hooks):
-        out = packed_bf16_linear(module, module.weight, module.bias, x)
+    without hooks: calibration observes the inputs of the modules it hooks). ``out_float32``: that
+    kernel's output, if it runs, comes as float32 (the same rounded values; for logits)."""
+    if type(module) is nn.Linear and not has_hooks(module):
+        out = packed_bf16_linear(module, module.weight, module.bias, x, out_float32=out_float32)
         if out is not None:
             return out
     return module(x)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether forward hooks observe ``module`` (then its own forward must run)."""
+    return bool(module._forward_pre_hooks or module._forward_hooks)
 
 
 _NO_BIAS = torch.empty(0)

@@ -58,6 +58,9 @@ class SamplingParams:
     """Return logprobs of prompt tokens plus this many top alternatives; None for none."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the returned text."""
+    speculative: bool = True
+    """Let the engine draft tokens for this request when it runs speculative decoding (the output is
+    distributed the same either way); False opts out."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,11 +22,11 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match():
     p = NgramProposer(min_n=2, max_n=3)
     #        0  1  2  3  4  5  6  7  8  9
     ids = [7, 1, 2, 3, 4, 1, 2, 3, 9, 1, 2]
-    assert p.propose(ids, 3) == [3, 9, 1]  # "1 2" last seen at 5 (the latest), followed by 3 9 1
-    assert p.propose(ids + [3], 2) == [9, 1]  # "1 2 3" (the longest n first) at 5
-    assert p.propose([5, 6, 7, 8], 4) == []  # no repeat: no draft
-    assert p.propose(ids, 0) == [] and p.propose([1], 3) == []
-    assert p.propose([4, 4, 4, 4], 5) == [4]  # the match may overlap the suffix; at most what follows it
+    assert p.lookup(ids, 3) == [3, 9, 1]  # "1 2" last seen at 5 (the latest), followed by 3 9 1
+    assert p.lookup(ids + [3], 2) == [9, 1]  # "1 2 3" (the longest n first) at 5
+    assert p.lookup([5, 6, 7, 8], 4) == []  # no repeat: no draft
+    assert p.lookup(ids, 0) == [] and p.lookup([1], 3) == []
+    assert p.lookup([4, 4, 4, 4], 5) == [4]  # the match may overlap the suffix; at most what follows it
 
 
 def test_ngram_checks_its_range():
@@ -87,15 +87,26 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
+def _params(i: int, max_tokens: int) -> SamplingParams:
+    """Greedy, and seeded sampling with filters, penalties and min_tokens; some with logprobs."""
+    logprobs = 1 if i % 5 == 0 else None
+    kind = i % 4
+    if kind in (0, 2):
+        return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=logprobs)
+    if kind == 1:
+        return SamplingParams(temperature=0.7, top_p=0.95, top_k=40, seed=i, max_tokens=max_tokens, logprobs=logprobs)
+    return SamplingParams(temperature=0.5, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.2, min_tokens=8,
+                          seed=i, max_tokens=max_tokens, logprobs=logprobs)
+
+
 def _generate(llm: LLM, prompts, max_tokens: int = 32):
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1 if i % 5 == 0 else None)
-              for i in range(len(prompts))]
-    return llm.generate(prompts, params, use_tqdm=False)
+    return llm.generate(prompts, [_params(i, max_tokens) for i in range(len(prompts))], use_tqdm=False)
 
 
 def test_greedy_output_is_identical_to_speculation_off():
-    """SmolLM2 in float32, 64 varied prompts (EOS and stop handling included): every output token,
-    text and logprob the same with n-gram speculation as without."""
+    """SmolLM2 in float32, 64 varied prompts (EOS and stop handling included), greedy and seeded
+    sampling (top-k, top-p, min-p, penalties, min_tokens): every output token, text and logprob the
+    same with n-gram speculation as without."""
     plain = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_seqs=16)
     spec = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_seqs=16, speculative_method="ngram",
                num_speculative_tokens=4)
@@ -110,7 +121,8 @@ def test_greedy_output_is_identical_to_speculation_off():
                 [t.logprob for t in e.outputs[0].logprobs], abs=1e-4)
     drafter = spec.engine.drafter
     # the test means something: drafts were both kept and rejected, and steps were saved
-    assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens
+    c = drafter.counters
+    assert 0 < c.num_accepted_tokens < c.num_draft_tokens
     assert len(spec.engine.stats) < len(plain.engine.stats)
     assert spec.engine.num_used_blocks == 0 and plain.engine.num_used_blocks == 0
 
@@ -121,21 +133,22 @@ def test_aborting_a_drafting_request_frees_its_blocks(tiny_dir):
     engine.add_request([5, 6, 7] * 30, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), request_id="r")
     for _ in range(6):
         engine.step()
-    assert engine.drafter.num_draft_tokens > 0 and engine.num_used_blocks > 0
+    c = engine.drafter.counters
+    assert c.num_draft_tokens > 0 and engine.num_used_blocks > 0
     snap = engine.snapshot()  # what /metrics reads
-    assert (snap.spec_draft_tokens, snap.spec_accepted_tokens) == (engine.drafter.num_draft_tokens,
-                                                                   engine.drafter.num_accepted_tokens)
+    assert (snap.spec_draft_tokens, snap.spec_accepted_tokens) == (c.num_draft_tokens, c.num_accepted_tokens)
     engine.abort("r")
     assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
-def test_sampling_and_penalties_do_not_draft(tiny_dir):
+def test_a_request_that_opts_out_never_drafts(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32", device="cpu", speculative_method="ngram")
     prompt = [3, 4] * 40
-    llm.generate([prompt, prompt], [SamplingParams(temperature=0.8, max_tokens=20, seed=1),
-                                    SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=20)],
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False),
                  use_tqdm=False)
-    assert llm.engine.drafter.num_draft_tokens == 0
+    assert llm.engine.drafter.counters.num_draft_tokens == 0
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.drafter.counters.num_draft_tokens > 0
 
 
 def test_the_speculative_dict_sets_the_options(tiny_dir):

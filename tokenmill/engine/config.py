@@ -75,7 +75,7 @@ class CacheConfig(Config):
         return int(self.kv_cache_memory * free_memory(device))
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft", "layerskip")
 
 
 @dataclass(frozen=True)
@@ -85,16 +85,27 @@ class SpeculativeConfig(Config):
     title: ClassVar[str] = "speculative decoding"
 
     speculative_method: str | None = option(
-        None, "draft tokens that the model verifies in the step's batch, for plain greedy requests: ngram "
-              "(prompt lookup: what followed the newest n-gram earlier in the sequence); off by default",
-        choices=SPECULATIVE_METHODS)
+        None, "draft tokens that the model verifies in the step's batch (output distributed as without): ngram "
+              "(prompt lookup: what followed the newest n-gram earlier in the sequence), draft (a smaller model "
+              "with the same tokenizer: --draft-model), layerskip (the model's own first layers and head); "
+              "off by default", choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = option(4, "most tokens drafted for a sequence in one step")
+    speculative_adaptive: bool = option(
+        True, "size each step's drafts from the measured acceptance rate and step cost, down to none under load; "
+              "off: always draft the most that fits")
     prompt_lookup_min: int = option(2, "ngram: the shortest n-gram looked up")
     prompt_lookup_max: int = option(4, "ngram: the longest n-gram looked up (tried first)")
+    draft_model: str | None = option(
+        None, "draft: the draft model (a known name, GGUF file, HF or tokenmill-quantized directory); it must "
+              "share the model's tokenizer")
+    layer_skip_layers: int = option(0, "layerskip: how many of the model's first layers the draft runs; 0 means half")
 
-    KEYS: ClassVar[dict[str, str]] = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
-                                      "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
-    """``LLM(speculative={...})``'s keys (vLLM's) and the options they set."""
+    KEYS: ClassVar[dict[str, str]] = {
+        "method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+        "adaptive": "speculative_adaptive", "prompt_lookup_min": "prompt_lookup_min",
+        "prompt_lookup_max": "prompt_lookup_max", "model": "draft_model", "draft_model": "draft_model",
+        "layer_skip_layers": "layer_skip_layers"}
+    """``LLM(speculative={...})``'s keys (vLLM's, plus ours) and the options they set."""
 
     @classmethod
     def options_of(cls, speculative: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +115,8 @@ class SpeculativeConfig(Config):
         unknown = sorted(set(speculative) - set(cls.KEYS))
         if unknown:
             raise InvalidParameterError(f"speculative: unknown key(s) {', '.join(unknown)}; known: {', '.join(cls.KEYS)}")
+        if "model" in speculative and "draft_model" in speculative:
+            raise InvalidParameterError("speculative: give the draft as model or as draft_model, not both")
         return {cls.KEYS[k]: v for k, v in speculative.items()}
 
     def __post_init__(self) -> None:
@@ -115,6 +128,12 @@ class SpeculativeConfig(Config):
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InvalidParameterError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                         f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise InvalidParameterError("speculative_method draft needs draft_model (and draft_model needs "
+                                        f"speculative_method draft); got method {self.speculative_method!r}, "
+                                        f"draft_model {self.draft_model!r}")
+        if self.layer_skip_layers < 0:
+            raise InvalidParameterError(f"layer_skip_layers must be >= 0, got {self.layer_skip_layers}")
 
 
 @dataclass(frozen=True)

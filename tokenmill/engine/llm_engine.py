@@ -31,7 +31,8 @@ from tokenmill.engine.outputs import RequestDelta, SampleDelta, TokenLogprobs
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
 from tokenmill.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs
 from tokenmill.engine.scheduler import ScheduledSequence, Scheduler
-from tokenmill.engine.spec.drafter import Drafter, make_proposer
+from tokenmill.engine.spec.build import build_drafter
+from tokenmill.engine.spec.verify import verify
 from tokenmill.engine.stats import EngineSnapshot, StepStats
 from tokenmill.engine.stop_checker import check_stop, stream_safe_length
 from tokenmill.errors import InvalidParameterError
@@ -43,7 +44,9 @@ logger = logging.getLogger("tokenmill.engine")
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, device: torch.device, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, loaded: LoadedModel, device: torch.device, config: EngineConfig = EngineConfig(),
+                 draft: LoadedModel | None = None) -> None:
+        """``draft``: the draft model of ``speculative_method`` draft, loaded by the caller."""
         self.model_config, self.tokenizer, self.config, self.device = loaded.config, loaded.tokenizer, config, device
         if config.keep_large_buffers and device.type == "cpu":
             keep_large_buffers()
@@ -54,8 +57,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(loaded.model, cache, device)
         self.sampler = Sampler(loaded.config.vocab_size, seed=config.seed)
-        proposer = make_proposer(config.speculative)
-        self.drafter = Drafter(config.speculative, proposer) if proposer is not None else None
+        self.drafter = build_drafter(config.speculative, loaded, draft, self.sampler,
+                                     self.kv_capacity_tokens + config.scheduler.max_num_seqs
+                                     * config.speculative.num_speculative_tokens, config.cache.block_size)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids)
         self.requests: dict[str, Request] = {}
         self._parked: dict[str, list[Sequence]] = {}  # n > 1 samples waiting for their prompt's KV
@@ -113,8 +117,7 @@ class LLMEngine:
                       cache_salt: str | None, now: float) -> Sequence:
         if params.n > 1 and params.seed is not None:  # each sample draws its own stream
             params = params.clone(seed=params.seed * 1_000_003 + index, n=1)
-        # seeded generators live on the CPU: the same tokens on CPU and CUDA, no device round-trip
-        state = SamplingState.create(params, ids, "cpu", eos_token_ids=self.eos_token_ids)
+        state = SamplingState.create(params, ids, eos_token_ids=self.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
         # prompt logprobs need every prompt position computed: no prefix-cache hit for such requests
         salt = cache_salt if params.prompt_logprobs is None else f"{cache_salt}:prompt-logprobs:{request_id}"
@@ -128,8 +131,14 @@ class LLMEngine:
         for seq in request.sequences:
             if not seq.status.finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
-            self.scheduler.finish(seq)
+            self._finish(seq)
         self._parked.pop(request_id, None)
+
+    def _finish(self, seq: Sequence) -> None:
+        """Give back everything a finished (or aborted) sequence holds: its KV and its draft state."""
+        self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq.seq_id)
 
     WARM_UP_REQUEST_ID = "__warm_up__"
 
@@ -165,8 +174,10 @@ class LLMEngine:
 
     @property
     def num_used_blocks(self) -> int:
-        """KV blocks held by sequences, all groups together (0 once every request has ended)."""
-        return sum(g.pool.num_blocks - 1 - g.num_free_blocks for g in self.kv.groups)
+        """KV blocks held by sequences, all groups together, a draft model's too (0 once every
+        request has ended)."""
+        drafts = self.drafter.proposer.num_used_blocks if self.drafter is not None else 0
+        return sum(g.pool.num_blocks - 1 - g.num_free_blocks for g in self.kv.groups) + drafts
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's state now: running and waiting sequences, KV use, prefix-cache and preemption counters."""
@@ -177,14 +188,17 @@ class LLMEngine:
 
     def _spec_totals(self) -> tuple[int, int]:
         """(drafted, kept) tokens so far; (0, 0) without speculative decoding."""
-        return (self.drafter.num_draft_tokens, self.drafter.num_accepted_tokens) if self.drafter else (0, 0)
+        c = self.drafter.counters if self.drafter else None
+        return (c.num_draft_tokens, c.num_accepted_tokens) if c else (0, 0)
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         """One forward pass; what each request that changed gained in it."""
         start = time.perf_counter()
         if self.drafter is not None:
-            self.drafter.propose(self.scheduler.running, self.max_model_len)
+            self.drafter.propose(self.scheduler.running, self.max_model_len,
+                                 self.config.scheduler.max_num_batched_tokens)
+        run_start = time.perf_counter()
         plan = self.scheduler.schedule()
         changed: dict[str, Request] = {}
         for seq in plan.failed:
@@ -193,6 +207,8 @@ class LLMEngine:
         spec_before = self._spec_totals()
         if plan.scheduled:
             self._run(plan.scheduled, changed)
+        if self.drafter is not None and plan.scheduled:
+            self.drafter.observe_step(plan.num_batched_tokens, time.perf_counter() - run_start)
         running = self.scheduler.running
         drafted, kept = (now - before for now, before in zip(self._spec_totals(), spec_before))
         self.stats.append(StepStats(
@@ -238,27 +254,30 @@ class LLMEngine:
             request.first_token_time = request.first_token_time or now
             self._append(seq, sample)
             changed[request.request_id] = request
-        for item, draft_logits in verifying:
-            self._verify(item, draft_logits)
-            changed[item.seq.request_id] = self.requests[item.seq.request_id]
+        if verifying:
+            self._verify(verifying, changed)
 
-    def _verify(self, item: ScheduledSequence, logits: torch.Tensor) -> None:
-        """A drafting sequence's rows: each sampled as plain decoding would; the draft kept up to its
-        first token that differs, then that row's token. The KV of the rejected tokens is dropped
+    def _verify(self, verifying: list[tuple[ScheduledSequence, torch.Tensor]], changed: dict[str, Request]) -> None:
+        """The drafting sequences' rows, verified together (spec/verify.py): each keeps its draft up to
+        the first token the target refuses, then one more. The KV of the refused tokens is dropped
         (truncate) before any block of the kept ones is offered to the prefix cache."""
-        seq = item.seq
-        draft, seq.draft_token_ids = seq.draft_token_ids, []
-        samples = self.sampler(logits, [seq.sampling] * logits.shape[0])
-        kept = self.drafter.accepted(draft, [s.token_id for s in samples])
-        seq.num_computed_tokens += 1 + kept  # its last token and the kept draft; the next token is new
-        self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
-        self.kv.cache_blocks(seq.seq_id, seq.all_token_ids + draft[:kept], seq.num_computed_tokens)
-        request = self.requests[seq.request_id]
-        request.first_token_time = request.first_token_time or time.monotonic()
-        for sample in samples[:kept + 1]:
-            self._append(seq, sample)
-            if seq.status.finished:
-                break
+        drafts = [(item.seq.sampling, item.seq.draft_token_ids, item.seq.draft_probs) for item, _ in verifying]
+        logits = torch.cat([rows for _, rows in verifying]) if len(verifying) > 1 else verifying[0][1]
+        now = time.monotonic()
+        for (item, _), (_, draft, _), outcome in zip(verifying, drafts, verify(self.sampler, logits, drafts)):
+            seq, kept = item.seq, outcome.num_accepted
+            seq.draft_token_ids, seq.draft_probs = [], None
+            self.drafter.accepted(seq.seq_id, len(draft), kept)
+            seq.num_computed_tokens += 1 + kept  # its last token and the kept draft; the next token is new
+            self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+            self.kv.cache_blocks(seq.seq_id, seq.all_token_ids + draft[:kept], seq.num_computed_tokens)
+            request = self.requests[seq.request_id]
+            request.first_token_time = request.first_token_time or now
+            changed[request.request_id] = request
+            for sample in outcome.samples:
+                self._append(seq, sample)
+                if seq.status.finished:
+                    break
 
     def _with_forked_samples(self, completing: list[ScheduledSequence], logits: torch.Tensor):
         """Sequences to sample and their logits rows: a request's first sample that just finished its
@@ -303,14 +322,14 @@ class LLMEngine:
         if seq.status.finished:
             if not isinstance(seq.stop_reason, str):  # text cut at a stop string stays cut
                 seq.text += seq.detokenizer.finish()
-            self.scheduler.finish(seq)
+            self._finish(seq)
 
     def _fail(self, seq: Sequence, changed: dict[str, Request]) -> None:
         """A sequence the KV pool cannot hold even alone: it and its parked siblings end with 'error'."""
         request = self.requests[seq.request_id]
         for sibling in self._parked.pop(seq.request_id, []):
             sibling.status = SequenceStatus.FINISHED_ERROR
-        self.scheduler.finish(seq)
+        self._finish(seq)
         changed[request.request_id] = request
 
     # ---- outputs --------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.sampler import SamplingState
 from tokenmill.loading.detokenizer import IncrementalDetokenizer
@@ -77,6 +79,9 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     """Tokens a proposer guessed to follow ``all_token_ids`` (speculative decoding), to be
     verified in the next step; empty when not drafting. Never part of ``all_token_ids``."""
+    draft_probs: torch.Tensor | None = None
+    """``[>= len(draft_token_ids), V]``: the distributions the draft tokens were drawn from (rejection
+    sampling), None for drafts chosen deterministically."""
     all_token_ids: list[int] = field(init=False)
     """Prompt then output token ids; append-only."""
 

@@ -10,6 +10,12 @@ Per row, in vLLM's order::
         ├── greedy row: argmax (lowest id on ties)
         └── random row: temperature ─► top-k ─► top-p ─► min-p ─► draw (one uniform per row)
 
+A seeded row's uniform is a hash of (seed, output position, stream): the token at position i
+depends on the seed and that position's logits only, not on the batch, the steps before or how
+many rows a step verified (speculative decoding samples several positions of a sequence at once
+and throws some away). :meth:`Sampler.scores` gives the processed rows themselves (the
+distributions a draw samples), for the speculative verifier (spec/verify.py).
+
 Work nobody in the batch needs is skipped: no copy or penalty pass without penalties,
 no top-k/top-p pass without those filters, no logprobs without a request for them.
 """
@@ -35,28 +41,30 @@ _PROMPT_LOGPROB_CHUNK = 1 << 24
 class SamplingState:
     """One sequence being sampled; the engine keeps it on the request and appends each sampled token.
 
-    ``generator`` is the row's own RNG when the request has a seed. A random row draws exactly
-    one uniform per step from it (greedy rows draw nothing), so its tokens depend only on
-    (seed, logits), not on the batch it shares or on other requests.
+    With ``params.seed`` a random row's uniform is :func:`seeded_uniform` of (seed, the position it
+    samples), so its tokens depend only on (seed, logits), not on the batch it shares, on other
+    requests or on speculative decoding. Greedy rows draw nothing.
     """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()
     """EOS and stop token ids: masked while fewer than ``params.min_tokens`` tokens are generated."""
 
     @classmethod
-    def create(cls, params: SamplingParams, prompt_token_ids: Iterable[int], device: torch.device | str = "cpu",
+    def create(cls, params: SamplingParams, prompt_token_ids: Iterable[int],
                eos_token_ids: Iterable[int] = ()) -> SamplingState:
         """A fresh state; stop_ids are params.stop_token_ids plus the EOS ids unless params.ignore_eos."""
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        return cls(params, list(prompt_token_ids), [], generator, frozenset(stop_ids))
+        return cls(params, list(prompt_token_ids), [], frozenset(stop_ids))
+
+    def after(self, draft: list[int]) -> SamplingState:
+        """This state as it will be once ``draft`` is appended: what the row sampling the token after
+        ``draft`` sees (penalty counts, min_tokens, the seeded position). ``draft`` empty: self."""
+        if not draft:
+            return self
+        return SamplingState(self.params, self.prompt_token_ids, self.output_token_ids + draft, self.stop_ids)
 
     @property
     def greedy(self) -> bool:
@@ -97,12 +105,40 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampleResult]:
         """``logits``: ``[B, >= vocab_size]`` of any float dtype and device; columns past vocab_size are padding."""
+        raw = self._raw(logits, states)
+        token_ids = self._choose(self._penalized(raw, states), states)
+        return _results(raw, token_ids, states)
+
+    def _raw(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != len(states) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(states)} rows "
                              f"of vocab_size {self.vocab_size}")
-        raw = logits[:, :self.vocab_size].float()
-        token_ids = self._choose(self._penalized(raw, states), states)
+        return logits[:, :self.vocab_size].float()
+
+    def scores(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw float32 logits, processed scores): per row what the sampler draws from. A greedy row's
+        scores are its penalized logits (argmax picks the token); a random row's the logits after
+        temperature, top-k, top-p and min-p, whose softmax is the distribution it samples."""
+        raw = self._raw(logits, states)
+        scores = self._penalized(raw, states)
+        random = [i for i, s in enumerate(states) if not s.greedy]
+        if random:
+            filtered = self._filtered(_take_rows(scores, random), [states[i] for i in random])
+            scores = filtered if len(random) == len(states) else \
+                _put_rows(scores.clone() if scores is raw else scores, random, filtered)
+        return raw, scores
+
+    def results(self, raw: torch.Tensor, token_ids: list[int], states: Sequence[SamplingState]) -> list[SampleResult]:
+        """SampleResults of chosen tokens, with the logprobs the rows asked for (of ``raw``)."""
         return _results(raw, token_ids, states)
+
+    def uniforms(self, states: Sequence[SamplingState], stream: int = 0) -> list[float]:
+        """One uniform in [0, 1) per row: seeded rows from (seed, position, ``stream``), the others
+        from this sampler's generator."""
+        unseeded = sum(s.params.seed is None for s in states)
+        shared = iter(torch.rand(unseeded, generator=self.generator, dtype=torch.float64).tolist())
+        return [next(shared) if s.params.seed is None else
+                seeded_uniform(s.params.seed, len(s.output_token_ids), stream) for s in states]
 
     def _penalized(self, raw: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """Raw logits after penalties and the min_tokens mask; ``raw`` itself when no row needs them."""
@@ -133,6 +169,11 @@ class Sampler:
 
     def _sample(self, scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, draw; ``scores`` is not modified."""
+        return sample(self._filtered(scores, states),
+                      torch.tensor(self.uniforms(states), dtype=torch.float32, device=scores.device))
+
+    def _filtered(self, scores: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p: a new tensor; ``scores`` is not modified."""
         device, vocab_size = scores.device, scores.shape[1]
         params = [s.params for s in states]
         scores = scores / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
@@ -146,15 +187,24 @@ class Sampler:
             scores = _put_rows(scores, filtered, kept)
         if any(p.min_p > 0 for p in params):
             apply_min_p(scores, torch.tensor([p.min_p for p in params], device=device))
-        return sample(scores, self._uniforms(states, device))
+        return scores
 
-    def _uniforms(self, states: list[SamplingState], device: torch.device) -> torch.Tensor:
-        """One uniform per row: from the row's generator when seeded, else from the shared one."""
-        unseeded = sum(s.generator is None for s in states)
-        shared = iter(torch.rand(unseeded, generator=self.generator).tolist())
-        values = [next(shared) if s.generator is None else
-                  torch.rand(1, generator=s.generator, device=s.generator.device).item() for s in states]
-        return torch.tensor(values, device=device)
+
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
+    """A uniform in [0, 1) fixed by (seed, position, stream): splitmix64 of their mix, 53 bits.
+
+    Counter-based, so any position's draw is known without drawing the ones before it (what lets a
+    seeded sample be the same with and without speculative decoding)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + stream * 0x8CB92BA72F3D8DD7) & _MASK64
+    for _ in range(2):
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+    return (x >> 11) * (1.0 / (1 << 53))
 
 
 def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -1,71 +1,164 @@
-"""The engine's side of speculative decoding: who drafts, how much, and how much a verification kept.
+"""The engine's side of speculative decoding: who drafts, how much, and what verification kept.
 
-Before each step :meth:`Drafter.propose` gives every eligible decoding sequence a draft of at most
-``num_speculative_tokens`` tokens (``Sequence.draft_token_ids``); the scheduler gives it the slots
-for its next token plus the draft (from free blocks only), the runner returns the logits of all of
-those positions, and the engine samples each one with the sequence's own sampling state. Row i
-says which token follows the draft's first i tokens, so the draft is kept up to its first token
-that differs from its row's, and that row's token is appended after it (or, all kept, the last
-row's): 1 to k + 1 tokens a step, each the one plain decoding would have produced.
+Before each step :meth:`Drafter.propose` gives every eligible decoding sequence a draft
+(``Sequence.draft_token_ids``, ``draft_probs``); the scheduler gives it slots for its next token
+plus the draft (from free blocks only), the runner returns the logits of all of those positions,
+and :func:`~tokenmill.engine.spec.verify.verify` keeps the draft up to the first token the target
+would not have produced, then one more: 1 to k + 1 tokens a step, distributed as plain decoding.
 
-Eligible: greedy requests without penalties (row i's token then depends on the logits alone), past
-``min_tokens`` (no stop-token mask), one sample (``n == 1``), and with room left under
-``max_tokens`` and the context window. Everything else decodes as before in the same batch.
+Eligible: a running sequence that decodes (its prompt done), whose request did not opt out
+(``SamplingParams.speculative``), with room under ``max_tokens`` and the context window. Greedy and
+random sampling, penalties, min_tokens, logprobs, n > 1 all draft; verification applies them to
+each drafted position as plain decoding would.
+
+How much (``speculative_adaptive``): each step the draft lengths maximise expected tokens per
+second. A draft token at position j of a sequence with acceptance rate a is worth a**j expected
+tokens; adding it costs the step's extra time at one more batched token (and, for a draft model,
+its forward passes), both learned from the engine's own steps (cost.py). Draft tokens go in order
+of worth while they raise tokens / second; under load a step's time grows with every token and
+the drafts shrink to none. Every ``PROBE_EVERY`` steps the drafts are sized as if unmeasured sizes
+cost nothing more, so a size measured once on a bad moment gets measured again.
 """
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.request import Sequence, SequenceStatus
-from tokenmill.engine.spec.ngram import NgramProposer
+from tokenmill.engine.spec.cost import Acceptance, CostCurve
 from tokenmill.engine.spec.proposer import Proposer
 
+PROBE_EVERY = 64
 
-def make_proposer(config: SpeculativeConfig) -> Proposer | None:
-    if config.speculative_method is None:
-        return None
-    if config.speculative_method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"no proposer for {config.speculative_method!r}")  # SpeculativeConfig checked the name
+
+@dataclass
+class SpecCounters:
+    """Totals since the engine started (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0
+    """Verifications (one per drafting sequence and step)."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    """[j]: verifications that kept the draft's token at position j (0-based)."""
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, draft_cost: CostCurve | None = None) -> None:
+        """``draft_cost``: the curve a draft-model proposer reports its forward passes to."""
         self.config, self.proposer = config, proposer
-        self.num_draft_tokens = 0
-        """Drafted tokens verified so far."""
-        self.num_accepted_tokens = 0
-        """Of those, the ones kept."""
+        self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.step_cost = CostCurve()
+        """Seconds of a step (model, sampling, verification) by its batched tokens."""
+        self.draft_cost = draft_cost if draft_cost is not None else CostCurve()
+        """Seconds of one draft-model forward pass by the number of sequences in it."""
+        self.acceptance = Acceptance()
+        self._drafting: set[str] = set()
+        self._steps = 0
+        self._draft_seconds = 0.0
 
+    # ---- before the step ------------------------------------------------------------------------
     @staticmethod
     def eligible(seq: Sequence) -> bool:
-        state, params = seq.sampling, seq.sampling.params
         return (seq.status == SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens == 1
-                and state.greedy and not state.has_penalties and params.n == 1
-                and len(seq.output_token_ids) >= params.min_tokens)
+                and seq.sampling.params.speculative)
 
-    def propose(self, running: Iterable[Sequence], max_model_len: int) -> None:
-        """Set the draft of every running sequence: a proposal where eligible, else none."""
+    def propose(self, running: Iterable[Sequence], max_model_len: int, budget: int) -> None:
+        """Set the draft of every running sequence: a proposal where eligible and worth it, else none."""
+        running = list(running)
+        self._steps += 1
+        alive = {seq.seq_id for seq in running}
+        for seq_id in self._drafting - alive:
+            self.release(seq_id)
+        seqs, caps = [], []
+        base_tokens = decoding = 0
         for seq in running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_probs = [], None
+            base_tokens += min(seq.num_tokens - seq.num_computed_tokens, budget)
+            decoding += seq.num_tokens - seq.num_computed_tokens == 1
             if not self.eligible(seq):
                 continue
             room = max_model_len - seq.num_tokens  # drafted positions num_tokens .. must stay in the window
             max_tokens = seq.sampling.params.max_tokens
             if max_tokens is not None:  # the token after the draft is sampled anyway
                 room = min(room, max_tokens - len(seq.output_token_ids) - 1)
-            k = min(self.config.num_speculative_tokens, room)
-            if k > 0:
-                seq.draft_token_ids = self.proposer.propose(seq.all_token_ids, k)[:k]
+            cap = min(self.config.num_speculative_tokens, room)
+            if cap > 0:
+                seqs.append(seq)
+                caps.append(cap)
+        if not seqs:
+            self._draft_seconds = 0.0
+            return
+        start = time.perf_counter()
+        if self.proposer.cheap:  # look up first, then size what was found
+            drafts = self.proposer.propose(seqs, caps)
+            sizes = self._sizes(seqs, [len(d.token_ids) for d in drafts], min(base_tokens, budget), decoding)
+        else:  # size first: the model drafts only what will be verified
+            sizes = self._sizes(seqs, caps, min(base_tokens, budget), decoding)
+            drafts = self.proposer.propose(seqs, sizes)
+        for seq, draft, n in zip(seqs, drafts, sizes):
+            if n > 0:
+                self._drafting.add(seq.seq_id)  # the proposer may hold state for it now
+                seq.draft_token_ids = draft.token_ids[:n]
+                seq.draft_probs = draft.probs
+        self._draft_seconds = time.perf_counter() - start
 
-    def accepted(self, draft: list[int], targets: list[int]) -> int:
-        """How many of ``draft`` verification kept: its longest prefix equal to ``targets`` (row i's
-        token follows the draft's first i tokens); counted into the totals."""
-        n = 0
-        while n < len(draft) and draft[n] == targets[n]:
-            n += 1
-        self.num_draft_tokens += len(draft)
-        self.num_accepted_tokens += n
-        return n
+    def _sizes(self, seqs: list[Sequence], caps: list[int], base_tokens: int, base_worth: int) -> list[int]:
+        """Draft length per sequence (at most its cap) that maximises expected tokens per second;
+        without drafts the step runs ``base_tokens`` and yields ``base_worth`` tokens."""
+        if not self.config.speculative_adaptive or not self.step_cost.known:
+            return caps
+        probing = self._steps % PROBE_EVERY == 0
+        rates = [self.acceptance.rate(seq.seq_id) for seq in seqs]
+        # every candidate draft token, most valuable first: (-worth, sequence index, position)
+        heap = [(-rates[i], i, 1) for i in range(len(seqs)) if caps[i] > 0 and rates[i] > 0]
+        heapq.heapify(heap)
+        sizes = [0] * len(seqs)
+        base_seconds = self.step_cost(base_tokens)
+        worth = float(base_worth)  # every decoding sequence gets a token anyway
+        best, best_sizes, added = worth / base_seconds if base_seconds > 0 else 0.0, list(sizes), 0
+        while heap:
+            neg, i, j = heapq.heappop(heap)
+            sizes[i], worth, added = j, worth - neg, added + 1
+            if j < caps[i]:
+                heapq.heappush(heap, (neg * rates[i], i, j + 1))
+            seconds = base_seconds if probing else self.step_cost(base_tokens + added)
+            seconds += self._draft_model_seconds(sizes)
+            if seconds > 0 and worth / seconds > best:
+                best, best_sizes = worth / seconds, list(sizes)
+        return best_sizes
+
+    def _draft_model_seconds(self, sizes: list[int]) -> float:
+        """A draft model's forward passes for these lengths: pass i runs every sequence with more than i."""
+        if self.proposer.cheap:
+            return 0.0
+        return sum(self.draft_cost(sum(n > i for n in sizes)) for i in range(max(sizes, default=0)))
+
+    # ---- after the step -------------------------------------------------------------------------
+    def observe_step(self, num_batched_tokens: int, seconds: float) -> None:
+        """The step's batched tokens and the time its forward pass, sampling and verification took."""
+        self.step_cost.observe(num_batched_tokens, seconds)
+
+    @property
+    def last_draft_seconds(self) -> float:
+        return self._draft_seconds
+
+    def accepted(self, seq_id: str, num_drafted: int, num_kept: int) -> None:
+        """Count one verification of ``num_drafted`` tokens that kept ``num_kept``."""
+        c = self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += num_drafted
+        c.num_accepted_tokens += num_kept
+        for j in range(num_kept):
+            c.accepted_per_position[j] += 1
+        self.acceptance.observe(seq_id, num_drafted, num_kept)
+
+    def release(self, seq_id: str) -> None:
+        """The sequence left the running set (finished, aborted, preempted): drop its draft state."""
+        self._drafting.discard(seq_id)
+        self.acceptance.forget(seq_id)
+        self.proposer.release(seq_id)

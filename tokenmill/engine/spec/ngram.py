@@ -14,18 +14,29 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tokenmill.engine.request import Sequence as EngineSequence
+from tokenmill.engine.spec.proposer import Draft
 from tokenmill.errors import InvalidParameterError
 
 
 class NgramProposer:
     name = "ngram"
+    cheap = True
+    num_used_blocks = 0
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise InvalidParameterError(f"ngram proposer needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def propose(self, seqs: list[EngineSequence], num_tokens: list[int]) -> list[Draft]:
+        return [Draft(self.lookup(seq.all_token_ids, k)) for seq, k in zip(seqs, num_tokens)]
+
+    def release(self, seq_id: str) -> None:
+        pass
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest matching n-gram: up to k tokens."""
         total = len(token_ids)
         if k <= 0 or total <= self.min_n:
             return []

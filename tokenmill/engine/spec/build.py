@@ -1,0 +1,43 @@
+"""The configured proposer, built over the engine's model (and the draft model, when one is given)."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenmill.engine.config import SpeculativeConfig
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.spec.cost import CostCurve
+from tokenmill.engine.spec.draft_model import DraftModelProposer, check_same_tokenizer, layer_skip_model
+from tokenmill.engine.spec.drafter import Drafter
+from tokenmill.engine.spec.ngram import NgramProposer
+from tokenmill.errors import InvalidParameterError
+from tokenmill.models.builder import LoadedModel
+
+logger = logging.getLogger("tokenmill.engine")
+
+
+def build_drafter(config: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None, sampler: Sampler,
+                  num_tokens: int, block_size: int) -> Drafter | None:
+    """None without speculative decoding. ``num_tokens``: how many tokens a draft model's own KV pool
+    holds (the target's pool and every sequence's draft); ``draft``: the loaded draft_model."""
+    method = config.speculative_method
+    if method is None:
+        return None
+    if method == "ngram":
+        return Drafter(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+    if method == "layerskip":
+        layers = config.layer_skip_layers or max(1, target.config.num_layers // 2)
+        model, name = layer_skip_model(target.model, layers), f"layerskip({layers})"
+    elif method == "draft":
+        if draft is None:
+            raise InvalidParameterError("speculative_method draft: the draft model was not loaded")
+        check_same_tokenizer(target.tokenizer, draft.tokenizer, config.draft_model)
+        model, name = draft.model, f"draft({draft.source.name})"
+    else:
+        raise ValueError(f"no proposer for {method!r}")  # SpeculativeConfig checked the name
+    num_blocks = -(-num_tokens // block_size) + 1
+    draft_cost = CostCurve()
+    proposer = DraftModelProposer(model, num_blocks, block_size, sampler, draft_cost.observe, name)
+    logger.info("speculative decoding: %s, up to %d tokens a step, its own KV of %d blocks", name,
+                config.num_speculative_tokens, num_blocks)
+    return Drafter(config, proposer, draft_cost)

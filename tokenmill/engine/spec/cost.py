@@ -1,0 +1,79 @@
+"""What a step costs and what a draft token is worth, measured while the engine runs.
+
+:class:`CostCurve` learns seconds as a function of a size (a step's batched tokens; a draft model's
+batch) from the engine's own steps: an exponential moving average per size bucket (exact up to 16,
+then 2^(1/4) apart), linear between measured buckets, flat outside them. Flat above the largest
+measured size is optimistic on purpose: a size never tried looks as cheap as the largest tried,
+so it is tried once and measured (the first step at 64 streams with drafts tells the truth).
+
+:class:`Acceptance` estimates the probability that a drafted token is kept, per sequence, from its
+verifications: kept tokens are successes, the first refused one a failure (positions after it were
+never tested), counts decayed so the estimate follows the text. A sequence without history starts
+from the proposer's pooled estimate.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+_DECAY = 0.8
+"""Weight of the history against the newest observation."""
+
+
+def _bucket(size: int) -> int:
+    return size if size <= 16 else 16 + round(4 * math.log2(size / 16))
+
+
+class CostCurve:
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._sizes: dict[int, int] = {}
+        """Bucket -> the last size measured in it (where its value sits on the size axis)."""
+
+    def observe(self, size: int, seconds: float) -> None:
+        if size <= 0 or not seconds > 0:
+            return
+        b = _bucket(size)
+        old = self._seconds.get(b)
+        self._seconds[b] = seconds if old is None else _DECAY * old + (1 - _DECAY) * seconds
+        self._sizes[b] = size
+
+    @property
+    def known(self) -> bool:
+        return bool(self._seconds)
+
+    def __call__(self, size: int) -> float:
+        """Estimated seconds at ``size`` (0 before any measurement)."""
+        if not self._seconds:
+            return 0.0
+        points = sorted((self._sizes[b], s) for b, s in self._seconds.items())
+        xs = [x for x, _ in points]
+        i = bisect.bisect_left(xs, size)
+        if i < len(xs) and xs[i] == size:
+            return points[i][1]
+        if i == 0:
+            return points[0][1]
+        if i == len(xs):
+            return points[-1][1]
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+        return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+
+
+class Acceptance:
+    def __init__(self, prior: float = 0.6) -> None:
+        self._pooled = [2 * prior, 2 * (1 - prior)]  # (kept, refused): a prior worth two verifications
+        self._per_seq: dict[str, list[float]] = {}
+
+    def rate(self, seq_id: str) -> float:
+        kept, refused = self._per_seq.get(seq_id, self._pooled)
+        return kept / (kept + refused) if kept + refused > 0 else 0.0
+
+    def observe(self, seq_id: str, num_drafted: int, num_kept: int) -> None:
+        refused = 1.0 if num_kept < num_drafted else 0.0
+        for counts in (self._per_seq.setdefault(seq_id, list(self._pooled)), self._pooled):
+            counts[0] = _DECAY * counts[0] + num_kept
+            counts[1] = _DECAY * counts[1] + refused
+
+    def forget(self, seq_id: str) -> None:
+        self._per_seq.pop(seq_id, None)

@@ -1,0 +1,200 @@
+"""Drafting with a smaller model that shares the target's tokenizer, over a paged KV cache of its own.
+
+Each step the draft model runs, batched over every sequence that drafts:
+
+    pass 0       each sequence's tokens the draft's KV does not hold yet (the tokens kept and the
+                 one sampled in the last step; the whole prompt the first time): its first guess
+    pass 1..k-1  one token per sequence still drafting: the next guess
+
+A guess is made from the draft's logits processed exactly like the request's own sampling
+(penalties counting the guesses before it, min_tokens, temperature, top-k, top-p, min-p;
+``Sampler.scores``):
+
+    greedy request     the argmax                                  (a point mass)
+    seeded request     the draw with the request's own uniform for that position: the target draws
+                       with the same one, so a guess is kept exactly when both agree and the output
+                       is the one decoding without speculation gives (a point mass)
+    other requests     a draw from the processed distribution q, returned with q for rejection
+                       sampling (spec/verify.py)
+
+The draft's KV holds what it was fed; the next step keeps the part the target kept (the fed
+guesses up to the first refused one) and drops the rest (``truncate``), so a draft never recomputes
+an accepted token. :func:`layer_skip_model` makes the zero-setup draft: the target's first layers
+with its own final norm and head, sharing the target's weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+import weakref
+
+import torch
+from torch import nn
+
+from tokenmill.attention.kv_cache import PagedKVCache
+from tokenmill.config import layer_groups
+from tokenmill.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
+from tokenmill.engine.logits_processors import sample
+from tokenmill.engine.model_runner import ModelRunner, SequenceInput
+from tokenmill.engine.request import Sequence
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.spec.proposer import NO_DRAFT, Draft
+from tokenmill.errors import InvalidParameterError
+from tokenmill.loading.tokenizer import Tokenizer
+from tokenmill.models.base import CausalLM
+
+
+@dataclass
+class _Fed:
+    """What the draft's KV holds for one sequence: ``all_token_ids[:num_tokens]`` then ``guesses``."""
+
+    num_tokens: int
+    guesses: list[int]
+
+
+class DraftModelProposer:
+    cheap = False
+
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler,
+                 observe: Callable[[int, float], None] | None = None, name: str = "draft") -> None:
+        """``num_blocks`` per KV group of the draft; ``sampler``: the engine's (its processing and
+        seeded uniforms); ``observe(batch, seconds)`` is told the time of each forward pass."""
+        cfg = model.config
+        groups, windows = layer_groups(cfg)
+        weight = model.embed.weight
+        self.name, self.model, self.sampler, self.observe = name, model, sampler, observe
+        self.cache = PagedKVCache([num_blocks] * len(windows), block_size, groups, cfg.num_kv_heads, cfg.head_dim,
+                                  weight.dtype, weight.device)
+        self.kv = KVCacheCoordinator([KVCacheManager(num_blocks, block_size, False, w) for w in windows])
+        self.runner = ModelRunner(model, self.cache, weight.device)
+        self.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=sampler.generator)))
+        self._fed: dict[str, _Fed] = {}
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(g.pool.num_blocks - 1 - g.num_free_blocks for g in self.kv.groups)
+
+    def release(self, seq_id: str) -> None:
+        self._fed.pop(seq_id, None)
+        self.kv.free(seq_id)
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
+        drafts: list[Draft] = [NO_DRAFT] * len(seqs)
+        active: list[int] = []
+        inputs: list[SequenceInput] = []
+        for i, (seq, k) in enumerate(zip(seqs, num_tokens)):
+            first = self._catch_up(seq) if k > 0 else None
+            if first is not None:
+                active.append(i)
+                inputs.append(first)
+        guesses: dict[int, list[int]] = {i: [] for i in active}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        while active:
+            start = time.perf_counter()
+            logits = self.runner.execute(inputs).sample_logits
+            self._guess([seqs[i] for i in active], [guesses[i] for i in active], [probs[i] for i in active], logits)
+            if self.observe is not None:
+                self.observe(len(active), time.perf_counter() - start)
+            still, inputs = [], []
+            for i in active:
+                if len(guesses[i]) < num_tokens[i]:
+                    item = self._feed(seqs[i], guesses[i][-1])
+                    if item is not None:
+                        still.append(i)
+                        inputs.append(item)
+            active = still
+        for i, tokens in guesses.items():
+            rows = probs[i]
+            drafts[i] = Draft(tokens, torch.stack(rows) if rows and len(rows) == len(tokens) else None)
+        return drafts
+
+    def _catch_up(self, seq: Sequence) -> SequenceInput | None:
+        """Drop what the draft holds past the sequence's tokens and allocate the tokens it lacks ->
+        the first pass's input; None (and nothing held) when the draft's pool is full."""
+        ids = seq.all_token_ids
+        fed = self._fed.get(seq.seq_id)
+        keep = 0
+        if fed is not None:
+            keep = fed.num_tokens
+            for g in fed.guesses:
+                if keep < len(ids) and ids[keep] == g:
+                    keep += 1
+                else:
+                    break
+            keep = min(keep, len(ids) - 1)  # at least one token to feed
+            self.kv.truncate(seq.seq_id, keep)
+        if not self.kv.allocate_slots(seq.seq_id, ids, len(ids) - keep):
+            self.release(seq.seq_id)
+            return None
+        self._fed[seq.seq_id] = _Fed(len(ids), [])
+        return SequenceInput(ids[keep:], keep, self.kv.block_table(seq.seq_id), True)
+
+    def _feed(self, seq: Sequence, guess: int) -> SequenceInput | None:
+        """The next pass's input of a sequence still drafting: its newest guess; None when the
+        draft's pool cannot hold it (the draft ends there)."""
+        fed = self._fed[seq.seq_id]
+        if not self.kv.allocate_slots(seq.seq_id, seq.all_token_ids + fed.guesses + [guess], 1):
+            return None
+        fed.guesses.append(guess)
+        return SequenceInput([guess], fed.num_tokens + len(fed.guesses) - 1, self.kv.block_table(seq.seq_id), True)
+
+    def _guess(self, seqs: list[Sequence], guesses: list[list[int]], probs: list[list[torch.Tensor]],
+               logits: torch.Tensor) -> None:
+        """Append each sequence's next guess (and, for rejection sampling, its distribution)."""
+        states = [seq.sampling.after(g) for seq, g in zip(seqs, guesses)]
+        short = self.sampler.vocab_size - logits.shape[1]
+        if short > 0:  # a draft head narrower than the target's vocabulary: the rest impossible
+            logits = torch.nn.functional.pad(logits, (0, short), value=-torch.inf)
+        _, scores = self.sampler.scores(logits, states)
+        tokens = scores.argmax(-1)
+        random = [i for i, s in enumerate(states) if not s.greedy]
+        if random:
+            index = torch.tensor(random)
+            seeded = [states[i].params.seed is not None for i in random]
+            u = torch.tensor([self.sampler.uniforms([states[i]])[0] if s else float(torch.rand(1, generator=self.generator))
+                              for i, s in zip(random, seeded)], dtype=torch.float32)
+            picked = scores.index_select(0, index)
+            tokens[index] = sample(picked, u)
+            dist = picked.softmax(-1)
+            for row, (i, s) in enumerate(zip(random, seeded)):
+                if not s:
+                    probs[i].append(dist[row])
+        for g, t in zip(guesses, tokens.tolist()):
+            g.append(t)
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
+    """A draft model must speak the target's token ids: same vocabulary, same ids for a probe text,
+    same stop tokens. InvalidParameterError naming what differs otherwise."""
+    probe = "Speculative decoding: the draft's guess, verified. 12345 ÄÖÜ 東京 🙂\n\tdef f(x): return x"
+    problems = []
+    if target.vocab_size != draft.vocab_size:
+        problems.append(f"vocabulary of {draft.vocab_size} tokens, the target's has {target.vocab_size}")
+    elif target.encode(probe) != draft.encode(probe):
+        problems.append("it tokenizes text differently")
+    if set(target.stop_token_ids) != set(draft.stop_token_ids):
+        problems.append(f"stop tokens {sorted(draft.stop_token_ids)}, the target's are {sorted(target.stop_token_ids)}")
+    if problems:
+        raise InvalidParameterError(f"draft model {draft_name} does not share the target's tokenizer: "
+                                    + "; ".join(problems))
+
+
+def layer_skip_model(model: CausalLM, num_layers: int) -> CausalLM:
+    """The target's first ``num_layers`` blocks, then its final norm and LM head: a draft that shares
+    every weight with the target (no copy) and needs no training."""
+    total = model.config.num_layers
+    if not 1 <= num_layers < total:
+        raise InvalidParameterError(f"layer-skip draft: layers must be in 1..{total - 1} for a {total}-layer "
+                                    f"model, got {num_layers}")
+    view = type(model).__new__(type(model))
+    nn.Module.__init__(view)
+    view.__dict__.update({k: v for k, v in model.__dict__.items() if not k.startswith("_")})
+    cfg = model.config
+    view.config = replace(cfg, num_layers=num_layers, layer_types=cfg.layer_types[:num_layers])
+    for name, child in model.named_children():
+        setattr(view, name, nn.ModuleList(list(child)[:num_layers]) if name == "layers" else child)
+    view.lm_head = model.lm_head
+    view._fused = weakref.WeakKeyDictionary()
+    return view

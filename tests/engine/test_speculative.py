@@ -190,3 +190,115 @@ def test_a_draft_takes_only_what_every_running_sequence_leaves():
     out = sched.schedule()
     assert [(i.seq.request_id, i.num_new_tokens, i.num_draft) for i in out.scheduled] == [("a", 4, 3), ("b", 1, 0)]
     assert not out.preempted and a.draft_token_ids == [9, 9, 9] and kv.num_free_blocks == 0
+
+
+# ---------------------------------------------------------------------------------------- model drafts
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_dir, tmp_path_factory):
+    """The tiny target with an untied head whose rows are shuffled for a third of the vocabulary: a
+    draft that agrees with the target on most tokens and is wrong on the rest."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("tiny-draft")
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_dir / name, path / name)
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    tensors = load_file(tiny_dir / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    g = torch.Generator().manual_seed(5)
+    order = torch.arange(embed.shape[0])
+    moved = torch.randperm(embed.shape[0], generator=g)[:embed.shape[0] // 3]
+    order[moved] = moved[torch.randperm(len(moved), generator=g)]
+    save_file({**tensors, "lm_head.weight": embed[order].contiguous()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    return path
+
+
+MIXED = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+         SamplingParams(temperature=0.8, top_k=50, seed=3, max_tokens=40, ignore_eos=True, logprobs=2),
+         SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=40, ignore_eos=True),
+         SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5, seed=4, max_tokens=40, min_tokens=30)]
+
+
+@pytest.mark.parametrize("speculative", [{"method": "draft"}, {"method": "layerskip", "layer_skip_layers": 1}],
+                         ids=["draft", "layerskip"])
+def test_model_drafts_give_the_output_of_speculation_off(tiny_dir, draft_dir, speculative):
+    """Greedy and seeded sampling (penalties, filters, min_tokens, logprobs) through a draft model
+    and through the target's own first layer: token for token what speculation off gives."""
+    if speculative["method"] == "draft":
+        speculative = {**speculative, "draft_model": str(draft_dir)}
+    prompts = [[(7 * i + j) % 250 for j in range(5 + 9 * i)] for i in range(8)]
+    params = [MIXED[i % len(MIXED)] for i in range(len(prompts))]
+    plain = LLM(str(tiny_dir), dtype="float32", device="cpu")
+    spec = LLM(str(tiny_dir), dtype="float32", device="cpu", speculative={**speculative, "num_speculative_tokens": 3,
+                                                                          "adaptive": False})
+    expected, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    for e, g in zip(expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        if e.outputs[0].logprobs is not None:
+            assert [t.logprob for t in g.outputs[0].logprobs] == pytest.approx(
+                [t.logprob for t in e.outputs[0].logprobs], abs=1e-4)
+    c = spec.engine.drafter.counters
+    assert 0 < c.num_accepted_tokens <= c.num_draft_tokens
+    if speculative["method"] == "draft":  # (the tiny target's first layer alone already agrees with it)
+        assert c.num_accepted_tokens < c.num_draft_tokens
+    assert spec.engine.num_used_blocks == 0 and spec.engine.drafter.proposer.num_used_blocks == 0
+
+
+def test_unseeded_sampling_with_a_draft_model_runs_rejection_sampling_and_frees_everything(tiny_dir, draft_dir):
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu",
+              speculative={"method": "draft", "model": str(draft_dir), "num_speculative_tokens": 4, "adaptive": False})
+    engine = llm.engine
+    for i in range(12):  # the tiny target repeats the last token: some of these the draft gets wrong
+        params = SamplingParams(temperature=0.9 if i % 2 else 0.7, top_p=1.0 if i % 2 else 0.8, max_tokens=300,
+                                ignore_eos=True)
+        engine.add_request(list(range(20 * i, 20 * i + 20)), params, f"r{i}")
+    for _ in range(8):
+        engine.step()
+    c = engine.drafter.counters
+    assert c.num_drafts > 0 and 0 < c.num_accepted_tokens < c.num_draft_tokens
+    assert engine.drafter.proposer.num_used_blocks > 0 and sum(c.accepted_per_position) == c.num_accepted_tokens
+    for i in range(12):  # their draft KV goes back at once, not at the next step
+        engine.abort(f"r{i}")
+    assert engine.num_used_blocks == 0 and engine.drafter.proposer.num_used_blocks == 0
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_dir):
+    with pytest.raises(InvalidParameterError, match="does not share the target's tokenizer: vocabulary of 49152"):
+        LLM(str(tiny_dir), dtype="float32", device="cpu",
+            speculative={"method": "draft", "model": "smollm2-135m-instruct"})
+    with pytest.raises(InvalidParameterError, match="speculative_method draft needs draft_model"):
+        LLM(str(tiny_dir), speculative={"method": "draft"})
+    with pytest.raises(InvalidParameterError, match="layers must be in 1..1 for a 2-layer model, got 2"):
+        LLM(str(tiny_dir), speculative={"method": "layerskip", "layer_skip_layers": 2})
+
+
+# ---------------------------------------------------------------------------------------- draft sizing
+
+def test_draft_sizes_follow_the_measured_step_cost():
+    """Flat step cost (a memory-bound step): every sequence drafts its cap. Cost growing with every
+    token (compute bound, many streams): no drafts. In between: only the likely tokens."""
+    from tokenmill.engine.spec.drafter import Drafter
+    from tokenmill.engine.spec.ngram import NgramProposer
+
+    def sizes(cost_per_token: float, base: float, rate: float, n: int = 4):
+        d = Drafter(SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4), NgramProposer())
+        d._steps = 1  # not a probing step
+        for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 320):
+            d.step_cost.observe(tokens, base + cost_per_token * tokens)
+        seqs = [type("S", (), {"seq_id": f"s{i}"})() for i in range(n)]
+        for s in seqs:
+            for _ in range(20):
+                d.acceptance.observe(s.seq_id, 4, round(4 * rate))
+        return d._sizes(seqs, [4] * n, n, n)
+
+    assert sizes(0.0, 0.02, 0.75) == [4] * 4  # flat: draft it all
+    assert sizes(0.002, 0.001, 0.5, n=64) == [0] * 64  # every token costs as much as a step: none
+    mid = sizes(0.003, 0.01, 0.5)  # acceptance 2/3: the first token of each pays, the second does not
+    assert all(0 < k < 4 for k in mid)

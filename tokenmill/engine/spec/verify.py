@@ -21,6 +21,7 @@ processed in one batched sampler call.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -46,25 +47,27 @@ def verify(sampler: Sampler, logits: torch.Tensor,
     states = [state.after(draft[:i]) for state, draft, _ in drafts for i in range(len(draft) + 1)]
     raw, scores = sampler.scores(logits, states)
     own = _own_tokens(sampler, scores, states)
-    rejecting = [q is not None and not state.greedy for state, _, q in drafts]
-    accept_u = sampler.uniforms(states, 1) if any(rejecting) else None
-    residual_u = sampler.uniforms(states, 2) if any(rejecting) else None
-    out, row = [], 0
-    for (state, draft, q), rejects in zip(drafts, rejecting):
-        k = len(draft)
-        if rejects:
-            tokens = _rejection(scores[row:row + k + 1], draft, q[:k], accept_u[row:row + k],
-                                residual_u[row:row + k], own[row + k])
+    firsts = list(itertools.accumulate((len(d) + 1 for _, d, _ in drafts), initial=0))
+    rejecting = [i for i, (state, _, q) in enumerate(drafts) if q is not None and not state.greedy and drafts[i][1]]
+    replaced = _rejection(sampler, scores, states, drafts, rejecting, firsts) if rejecting else {}
+    rejecting_set = set(rejecting)
+    tokens_of, used = [], []
+    for i, (state, draft, _) in enumerate(drafts):
+        row, k = firsts[i], len(draft)
+        if i in replaced:
+            n, token = replaced[i]
+        elif i in rejecting_set:  # every drafted token kept: the last row's own token follows
+            n, token = k, own[row + k]
         else:
             n = 0
             while n < k and draft[n] == own[row + n]:
                 n += 1
-            tokens = draft[:n] + [own[row + n]]
-        used = list(range(row, row + len(tokens)))
-        samples = sampler.results(raw[used], tokens, [states[i] for i in used])
-        out.append(Verification(samples, len(tokens) - 1))
-        row += k + 1
-    return out
+            token = own[row + n]
+        tokens_of.append(draft[:n] + [token])
+        used.extend(range(row, row + n + 1))
+    flat = [t for tokens in tokens_of for t in tokens]
+    samples = iter(sampler.results(raw[used], flat, [states[r] for r in used]))
+    return [Verification([next(samples) for _ in tokens], len(tokens) - 1) for tokens in tokens_of]
 
 
 def _own_tokens(sampler: Sampler, scores: torch.Tensor, states: list[SamplingState]) -> list[int]:
@@ -79,23 +82,35 @@ def _own_tokens(sampler: Sampler, scores: torch.Tensor, states: list[SamplingSta
     return tokens.tolist()
 
 
-def _rejection(scores: torch.Tensor, draft: list[int], q: torch.Tensor, accept_u: list[float],
-               residual_u: list[float], bonus: int) -> list[int]:
-    """Modified rejection sampling of one sequence: ``scores`` its k + 1 processed rows, ``q`` the
-    draft's k distributions. -> the kept draft tokens and the token after them."""
-    p = scores.softmax(-1)
-    q = q.to(p.device, torch.float32)
-    k = len(draft)
-    index = torch.tensor(draft, device=p.device)
-    rows = torch.arange(k, device=p.device)
-    p_d, q_d = p[rows, index].tolist(), q[rows, index].tolist()
-    for i in range(k):
-        if accept_u[i] * q_d[i] < p_d[i]:
-            continue
-        residual = (p[i] - q[i]).clamp_(min=0)
-        if not bool(residual.sum() > 0):  # p == q up to rounding: nothing to correct
-            residual = p[i]
-        token = int(sample(residual.log().unsqueeze(0), torch.tensor([residual_u[i]], dtype=torch.float32,
-                                                                      device=p.device))[0])
-        return draft[:i] + [token]
-    return draft + [bonus]
+def _rejection(sampler: Sampler, scores: torch.Tensor, states: list[SamplingState],
+               drafts: list[tuple[SamplingState, list[int], torch.Tensor | None]], rejecting: list[int],
+               firsts: list[int]) -> dict[int, tuple[int, int]]:
+    """Modified rejection sampling of the ``rejecting`` entries, all at once -> entry -> (drafted
+    tokens kept, the token after them) for those that refused one; an entry absent kept its whole
+    draft (the last row's own token follows)."""
+    device = scores.device
+    rows = [firsts[i] + j for i in rejecting for j in range(len(drafts[i][1]))]
+    index = torch.tensor(rows, device=device)
+    tokens = torch.tensor([t for i in rejecting for t in drafts[i][1]], device=device)
+    p = scores.index_select(0, index).softmax(-1)
+    q = torch.cat([drafts[i][2][:len(drafts[i][1])] for i in rejecting]).to(device, torch.float32)
+    at = torch.arange(len(rows), device=device)
+    u = torch.tensor(sampler.uniforms([states[r] for r in rows], 1), dtype=torch.float64, device=device)
+    kept = (u * q[at, tokens].double() < p[at, tokens].double()).tolist()
+    first_refused, flat = {}, 0
+    for i in rejecting:
+        k = len(drafts[i][1])
+        n = next((j for j in range(k) if not kept[flat + j]), k)
+        if n < k:
+            first_refused[i] = (n, flat + n)
+        flat += k
+    if not first_refused:
+        return {}
+    picked = torch.tensor([f for _, f in first_refused.values()], device=device)
+    residual = (p.index_select(0, picked) - q.index_select(0, picked)).clamp_(min=0)
+    empty = residual.sum(-1) <= 0  # p == q up to rounding: nothing to correct, draw from p
+    if bool(empty.any()):
+        residual[empty] = p.index_select(0, picked)[empty]
+    residual_u = sampler.uniforms([states[rows[f]] for _, f in first_refused.values()], 2)
+    drawn = sample(residual.log(), torch.tensor(residual_u, dtype=torch.float32, device=device)).tolist()
+    return {i: (n, token) for (i, (n, _)), token in zip(first_refused.items(), drawn)}

@@ -275,7 +275,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_dir):
             speculative={"method": "draft", "model": "smollm2-135m-instruct"})
     with pytest.raises(InvalidParameterError, match="speculative_method draft needs draft_model"):
         LLM(str(tiny_dir), speculative={"method": "draft"})
-    with pytest.raises(InvalidParameterError, match="layers must be in 1..1 for a 2-layer model, got 2"):
+    with pytest.raises(InvalidParameterError, match="layer_skip_layers must be in 1..1 for a 2-layer model, got 2"):
         LLM(str(tiny_dir), speculative={"method": "layerskip", "layer_skip_layers": 2})
 
 

@@ -24,6 +24,7 @@ cache of its own that holds one whole sequence of up to ``max_len`` tokens at a 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,11 @@ from tokenmill.config import layer_groups
 from tokenmill.engine.config import CacheConfig
 from tokenmill.errors import InvalidParameterError
 from tokenmill.models.base import CausalLM
+
+
+DECODE_ROWS_MAX = 8
+"""Steps whose sequences all have at most this many new tokens run as one decode row per token
+(ModelRunner._metadata)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,21 +100,38 @@ class ModelRunner:
     def execute(self, inputs: list[SequenceInput]) -> RunnerOutput:
         """One forward pass over every input's new tokens -> the logits they asked for."""
         tokens: list[int] = []
-        query_lens, context_lens = [], []
         for item in inputs:
             tokens.extend(item.token_ids)
-            query_lens.append(len(item.token_ids))
-            context_lens.append(item.num_computed + len(item.token_ids))
-        per_group = [list(tables) for tables in zip(*(item.block_tables for item in inputs))]
-        meta = PagedAttentionMetadata.build(query_lens, context_lens, per_group, self.cache.block_size, self.device)
-        hidden = self._forward(tokens, meta)
+        starts = list(itertools.accumulate((len(item.token_ids) for item in inputs), initial=0))
+        hidden = self._forward(tokens, self._metadata(inputs))
         rows = [i for i, item in enumerate(inputs) if item.samples]
-        last = meta.last_token_indices()
-        picked = [p for i in rows for p in range(last[i] - inputs[i].num_sample_rows + 1, last[i] + 1)]
+        picked = [p for i in rows for p in range(starts[i + 1] - inputs[i].num_sample_rows, starts[i + 1])]
         logits = self.model.compute_logits(hidden[picked])
-        full = {i: self.model.compute_logits(hidden[meta.query_start_loc[i]:meta.query_start_loc[i + 1]])
+        full = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
                 for i, item in enumerate(inputs) if item.all_logits}
         return RunnerOutput(logits, rows, full)
+
+    def _metadata(self, inputs: list[SequenceInput]) -> PagedAttentionMetadata:
+        """The step's attention metadata. A step whose sequences all bring at most ``DECODE_ROWS_MAX``
+        new tokens (decodes, speculative verifications, short prompt tails) is described as one
+        decode row per token: token i of a sequence with c computed tokens attends to keys 0..c + i
+        of its own blocks (causal, its new keys written before the layer attends). That is the
+        attention a one-token decode at that position computes, by the same kernel, and the step
+        takes the one-call decode path (fused_decode) where it applies."""
+        short = max(len(item.token_ids) for item in inputs) <= DECODE_ROWS_MAX
+        query_lens, context_lens, tables = [], [], []
+        for item in inputs:
+            n = len(item.token_ids)
+            if short:
+                query_lens.extend([1] * n)
+                context_lens.extend(range(item.num_computed + 1, item.num_computed + n + 1))
+                tables.extend([item.block_tables] * n)
+            else:
+                query_lens.append(n)
+                context_lens.append(item.num_computed + n)
+                tables.append(item.block_tables)
+        per_group = [list(group) for group in zip(*tables)]
+        return PagedAttentionMetadata.build(query_lens, context_lens, per_group, self.cache.block_size, self.device)
 
     def sequence_metadata(self, n: int) -> PagedAttentionMetadata:
         """The step metadata of a whole sequence of ``n`` tokens (positions 0..n-1) in this

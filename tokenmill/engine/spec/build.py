@@ -26,8 +26,12 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, draft: LoadedM
     if method == "ngram":
         return Drafter(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
     if method == "layerskip":
-        layers = config.layer_skip_layers or max(1, target.config.num_layers // 2)
-        model, name = layer_skip_model(target.model, layers), f"layerskip({layers})"
+        total = target.config.num_layers
+        layers = config.layer_skip_layers or max(1, total // 2)
+        if not 1 <= layers < total:
+            raise InvalidParameterError(f"layer_skip_layers must be in 1..{total - 1} for a {total}-layer model, "
+                                        f"got {layers}")
+        model, name = layer_skip_model(target.model, list(range(layers))), f"layerskip({layers})"
     elif method == "draft":
         if draft is None:
             raise InvalidParameterError("speculative_method draft: the draft model was not loaded")

@@ -75,5 +75,13 @@ class Acceptance:
             counts[0] = _DECAY * counts[0] + num_kept
             counts[1] = _DECAY * counts[1] + refused
 
+    def relax(self, seq_id: str) -> None:
+        """A step without a draft for the sequence: its estimate moves a little toward the pooled one
+        (about halfway in 7 steps), so one bad stretch does not keep it from drafting for good."""
+        counts, total = self._per_seq.get(seq_id), sum(self._pooled)
+        if counts is not None and total > 0:
+            scale = sum(counts) / total  # the pooled proportions at this sequence's weight of evidence
+            counts[:] = [0.9 * mine + 0.1 * pooled * scale for mine, pooled in zip(counts, self._pooled)]
+
     def forget(self, seq_id: str) -> None:
         self._per_seq.pop(seq_id, None)

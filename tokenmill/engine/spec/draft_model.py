@@ -181,20 +181,22 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_name: str) -
                                     + "; ".join(problems))
 
 
-def layer_skip_model(model: CausalLM, num_layers: int) -> CausalLM:
-    """The target's first ``num_layers`` blocks, then its final norm and LM head: a draft that shares
-    every weight with the target (no copy) and needs no training."""
+def layer_skip_model(model: CausalLM, layers: list[int]) -> CausalLM:
+    """The target with only ``layers`` of its blocks (in order), then its final norm and LM head: a
+    draft that shares every weight with the target (no copy) and needs no training."""
     total = model.config.num_layers
-    if not 1 <= num_layers < total:
-        raise InvalidParameterError(f"layer-skip draft: layers must be in 1..{total - 1} for a {total}-layer "
-                                    f"model, got {num_layers}")
+    layers = sorted(set(layers))
+    if not layers or layers[0] < 0 or layers[-1] >= total or len(layers) == total:
+        raise InvalidParameterError(f"layer-skip draft: a proper subset of the layers 0..{total - 1} of a {total}-layer "
+                                    f"model, got {layers}")
     view = type(model).__new__(type(model))
     nn.Module.__init__(view)
     view.__dict__.update({k: v for k, v in model.__dict__.items() if not k.startswith("_")})
     cfg = model.config
-    view.config = replace(cfg, num_layers=num_layers, layer_types=cfg.layer_types[:num_layers])
+    types = tuple(cfg.layer_type(i) for i in layers) if cfg.layer_types else ()
+    view.config = replace(cfg, num_layers=len(layers), layer_types=types)
     for name, child in model.named_children():
-        setattr(view, name, nn.ModuleList(list(child)[:num_layers]) if name == "layers" else child)
+        setattr(view, name, nn.ModuleList([child[i] for i in layers]) if name == "layers" else child)
     view.lm_head = model.lm_head
     view._fused = weakref.WeakKeyDictionary()
     return view

@@ -16,8 +16,10 @@ second. A draft token at position j of a sequence with acceptance rate a is wort
 tokens; adding it costs the step's extra time at one more batched token (and, for a draft model,
 its forward passes), both learned from the engine's own steps (cost.py). Draft tokens go in order
 of worth while they raise tokens / second; under load a step's time grows with every token and
-the drafts shrink to none. Every ``PROBE_EVERY`` steps the drafts are sized as if unmeasured sizes
-cost nothing more, so a size measured once on a bad moment gets measured again.
+the drafts shrink to none. A sequence left without a draft drifts back toward the pooled
+acceptance rate, and every ``PROBE_EVERY`` steps each eligible sequence drafts one token whatever
+the estimates say: a rate or a cost measured on a bad moment is measured again, at the price of
+one cheap draft token per sequence every ``PROBE_EVERY`` steps.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tokenmill.engine.request import Sequence, SequenceStatus
 from tokenmill.engine.spec.cost import Acceptance, CostCurve
 from tokenmill.engine.spec.proposer import Proposer
 
-PROBE_EVERY = 64
+PROBE_EVERY = 128
 
 
 @dataclass
@@ -112,7 +114,8 @@ class Drafter:
         without drafts the step runs ``base_tokens`` and yields ``base_worth`` tokens."""
         if not self.config.speculative_adaptive or not self.step_cost.known:
             return caps
-        probing = self._steps % PROBE_EVERY == 0
+        if self._steps % PROBE_EVERY == 0:
+            return [min(1, c) for c in caps]
         rates = [self.acceptance.rate(seq.seq_id) for seq in seqs]
         # every candidate draft token, most valuable first: (-worth, sequence index, position)
         heap = [(-rates[i], i, 1) for i in range(len(seqs)) if caps[i] > 0 and rates[i] > 0]
@@ -126,10 +129,12 @@ class Drafter:
             sizes[i], worth, added = j, worth - neg, added + 1
             if j < caps[i]:
                 heapq.heappush(heap, (neg * rates[i], i, j + 1))
-            seconds = base_seconds if probing else self.step_cost(base_tokens + added)
-            seconds += self._draft_model_seconds(sizes)
+            seconds = self.step_cost(base_tokens + added) + self._draft_model_seconds(sizes)
             if seconds > 0 and worth / seconds > best:
                 best, best_sizes = worth / seconds, list(sizes)
+        for seq, n in zip(seqs, best_sizes):
+            if n == 0:
+                self.acceptance.relax(seq.seq_id)
         return best_sizes
 
     def _draft_model_seconds(self, sizes: list[int]) -> float:

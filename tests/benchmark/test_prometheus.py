@@ -41,3 +41,22 @@ def test_means_over_the_requests_between_the_scrapes() -> None:
 def test_no_new_observations_gives_no_mean() -> None:
     assert server_means(BEFORE, BEFORE)["ttft"] == {"histogram": "vllm:time_to_first_token_seconds", "count": 0,
                                                     "mean_ms": None}
+
+
+def test_speculative_counters_between_the_scrapes_under_any_prefix() -> None:
+    from tokenmill.benchmark.prometheus import speculative_stats
+
+    def scrape(prefix: str, drafts: int, drafted: int, kept: int, per_pos: list[int]) -> str:
+        lines = [f'{prefix}:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+                 f'{prefix}:spec_decode_num_draft_tokens_total{{model_name="m"}} {drafted}',
+                 f'{prefix}:spec_decode_num_accepted_tokens_total{{model_name="m"}} {kept}',
+                 f'{prefix}:spec_decode_num_accepted_tokens_created{{model_name="m"}} 1.7e9']
+        lines += [f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{j}"}} {v}'
+                  for j, v in enumerate(per_pos)]
+        return "\n".join(lines)
+
+    for prefix in ("tokenmill", "vllm"):
+        got = speculative_stats(scrape(prefix, 10, 40, 20, [8, 6, 4, 2]), scrape(prefix, 30, 120, 50, [28, 12, 8, 2]))
+        assert got == {"drafts": 20, "draft_tokens": 80, "accepted_tokens": 30, "acceptance_rate": 0.375,
+                       "mean_accepted_length": 2.5, "acceptance_per_position": [1.0, 0.3, 0.2, 0.0]}
+    assert speculative_stats("tokenmill:num_preemptions_total 3", "tokenmill:num_preemptions_total 4") is None

@@ -25,7 +25,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     serve.add_argument("--save-records", action="store_true", help="keep every request's timeline in the JSON")
     serve.add_argument("--scrape-metrics", action="store_true",
-                       help="read the server's /metrics latency histograms before and after; show them beside ours")
+                       help="read the server's /metrics before and after: its latency histograms beside ours, and its "
+                            "speculative-decoding counters (acceptance rate, mean accepted length, per position)")
     sweep = kinds.add_parser("sweep", help="serve benchmarks at rising rates or concurrencies; curve, plots, report")
     _client_args(sweep)
     _workload_args(sweep)
@@ -145,6 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.benchmark.report import (
         default_out,
         format_server_metrics,
+        format_speculative,
         format_summary,
         write_json,
     )
@@ -158,6 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(format_summary(result.summary))
     if result.server_metrics is not None:
         print(format_server_metrics(result.server_metrics))
+    if result.speculative is not None:
+        print(format_speculative(result.speculative))
     path = write_json(result.to_dict(with_records=args.save_records), args.out or default_out("serve"))
     print(f"results: {path}")
     return 0

@@ -1,4 +1,4 @@
-"""The server's own latency histograms beside the client's figures.
+"""The server's own latency histograms beside the client's figures, and its speculative-decoding counters.
 
 A Prometheus server (tokenmill's ``tokenmill:*``, vLLM's ``vllm:*``) exposes histograms such as
 ``<prefix>:time_to_first_token_seconds``. Scraping ``/metrics`` before and after the measured
@@ -55,3 +55,41 @@ def agreement(server: dict[str, dict], client_means_ms: dict[str, float | None])
         ratio = client / entry["mean_ms"] if client is not None and entry["mean_ms"] else None
         out[metric] = {**entry, "client_mean_ms": client, "client_over_server": ratio}
     return out
+
+
+_COUNTER = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*?)(?:_total)?(\{[^}]*\})?\s+(\S+)')
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+def _spec_counters(text: str) -> dict[str, float]:
+    """``spec_decode_*`` counters by the name after the prefix (``num_drafts``, ..., ``per_pos:J``)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _COUNTER.match(line)
+        if not match or ":spec_decode_num_" not in match.group(1):
+            continue
+        name, labels, value = match.groups()
+        key = name.split(":spec_decode_", 1)[1]
+        if key == "num_accepted_tokens_per_pos":
+            pos = _POSITION.search(labels or "")
+            if pos is None:
+                continue
+            key = f"per_pos:{pos.group(1)}"
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def speculative_stats(before: str, after: str) -> dict | None:
+    """The server's speculative decoding over the measured requests (vLLM's counter names under any
+    prefix): drafts, drafted and kept tokens, acceptance rate, mean accepted length (tokens per
+    verification) and acceptance per draft position. None when the server counts no drafts."""
+    old, new = _spec_counters(before), _spec_counters(after)
+    delta = {k: v - old.get(k, 0.0) for k, v in new.items()}
+    drafts, drafted, kept = (delta.get(k, 0.0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+    if "num_draft_tokens" not in new:
+        return None
+    positions = sorted(int(k.split(":")[1]) for k in delta if k.startswith("per_pos:"))
+    return {"drafts": int(drafts), "draft_tokens": int(drafted), "accepted_tokens": int(kept),
+            "acceptance_rate": kept / drafted if drafted else None,
+            "mean_accepted_length": 1 + kept / drafts if drafts else None,
+            "acceptance_per_position": [delta[f"per_pos:{j}"] / drafts if drafts else None for j in positions]}

@@ -87,6 +87,16 @@ def format_server_metrics(server: dict) -> str:
     return table(rows, " Server-side histograms ") if rows else "server metrics: no known latency histogram"
 
 
+def format_speculative(spec: dict) -> str:
+    """The server's speculative decoding over the run (``ServeResult.speculative``)."""
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    rows = [("Drafts (verifications)", str(spec["drafts"])), ("Drafted tokens", str(spec["draft_tokens"])),
+            ("Accepted tokens", str(spec["accepted_tokens"])), ("Acceptance rate", pct(spec["acceptance_rate"])),
+            ("Mean accepted length", fmt(spec["mean_accepted_length"])),
+            ("Acceptance per position", " ".join(pct(v) for v in spec["acceptance_per_position"]) or "-")]
+    return table(rows, " Speculative decoding (server) ")
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]

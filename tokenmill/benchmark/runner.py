@@ -24,7 +24,7 @@ from tqdm import tqdm
 from tokenmill.benchmark.arrivals import ArrivalProcess
 from tokenmill.benchmark.client import ClientConfig, OpenAIClient, completion_prompt
 from tokenmill.benchmark.metrics import SLO, RequestRecord, Summary, summarize
-from tokenmill.benchmark.prometheus import SERVER_HISTOGRAMS, agreement, server_means
+from tokenmill.benchmark.prometheus import SERVER_HISTOGRAMS, agreement, server_means, speculative_stats
 from tokenmill.benchmark.workloads import Conversation
 from tokenmill.errors import InvalidParameterError, TokenmillError
 
@@ -69,12 +69,16 @@ class ServeResult:
     started_at: str = ""
     server_metrics: dict | None = None
     """Server-side means from its Prometheus histograms beside the client's (see prometheus.py)."""
+    speculative: dict | None = None
+    """The server's speculative-decoding counters over the measured requests (prometheus.py)."""
 
     def to_dict(self, with_records: bool = False) -> dict:
         data = {"kind": "serve", "started_at": self.started_at, "client": self.client, "load": self.load,
                 "workload": self.workload, "summary": self.summary.to_dict()}
         if self.server_metrics is not None:
             data["server_metrics"] = self.server_metrics
+        if self.speculative is not None:
+            data["speculative"] = self.speculative
         if with_records:
             data["records"] = [asdict(r) for r in self.records]
         return data
@@ -83,7 +87,7 @@ class ServeResult:
     def from_dict(cls, data: dict) -> ServeResult:
         records = [RequestRecord(**r) for r in data.get("records", [])]
         return cls(data["client"], data["load"], data["workload"], Summary.from_dict(data["summary"]), records,
-                   data.get("started_at", ""), data.get("server_metrics"))
+                   data.get("started_at", ""), data.get("server_metrics"), data.get("speculative"))
 
 
 def run_serve(client: ClientConfig, load: LoadConfig, conversations: list[Conversation],
@@ -96,11 +100,12 @@ def run_serve(client: ClientConfig, load: LoadConfig, conversations: list[Conver
                                                   scrape_metrics))
     summary = summarize(records, duration, slo, count_tokens)
     load_info = {**asdict(load), "slo": asdict(slo) if slo else None}
-    server = None
+    server = speculative = None
     if scrapes is not None:
         client_means = {name: getattr(summary, name).mean for name in SERVER_HISTOGRAMS}
         server = scrapes if "error" in scrapes else agreement(server_means(*scrapes), client_means)
-    return ServeResult(asdict(client), load_info, workload or {}, summary, records, started, server)
+        speculative = None if "error" in scrapes else speculative_stats(*scrapes)
+    return ServeResult(asdict(client), load_info, workload or {}, summary, records, started, server, speculative)
 
 
 async def _run(client_cfg: ClientConfig, load: LoadConfig, conversations: list[Conversation],

@@ -182,9 +182,11 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         """The engine's state now: running and waiting sequences, KV use, prefix-cache and preemption counters."""
         prefix = self.kv.prefix_cache_stats
+        c = self.drafter.counters if self.drafter else None
         return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting, self.num_used_blocks,
                               self.kv.usage, prefix.queries, prefix.hits, self.scheduler.num_preemptions,
-                              *self._spec_totals())
+                              *self._spec_totals(), c.num_drafts if c else 0,
+                              tuple(c.accepted_per_position) if c else ())
 
     def _spec_totals(self) -> tuple[int, int]:
         """(drafted, kept) tokens so far; (0, 0) without speculative decoding."""

@@ -51,3 +51,7 @@ class EngineSnapshot:
     """Drafted tokens verified so far (speculative decoding)."""
     spec_accepted_tokens: int = 0
     """Of those, the ones kept."""
+    spec_drafts: int = 0
+    """Verifications so far: one per drafting sequence and step."""
+    spec_accepted_per_position: tuple[int, ...] = ()
+    """[j]: verifications that kept the drafted token at position j (0-based)."""

@@ -132,7 +132,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         "seed": None if body.seed is None else body.seed % 2**32, "max_tokens": max_tokens,
         "min_tokens": body.min_tokens, "stop": body.stop or [], "stop_token_ids": body.stop_token_ids or [],
         "include_stop_str_in_output": body.include_stop_str_in_output, "ignore_eos": body.ignore_eos,
-        "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "skip_special_tokens": body.skip_special_tokens}
+        "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "skip_special_tokens": body.skip_special_tokens,
+        "speculative": body.speculative}
     try:
         return SamplingParams(**fields)
     except InvalidParameterError as exc:

@@ -61,6 +61,15 @@ class ServerMetrics:
                                   "Drafted tokens verified (speculative decoding)", **labels)
         self.spec_accepted = Counter("tokenmill:spec_decode_num_accepted_tokens",
                                      "Drafted tokens kept by verification", **labels)
+        self.spec_drafts = Counter("tokenmill:spec_decode_num_drafts",
+                                   "Verifications: one per drafting sequence and step", **labels)
+        self.spec_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                    "Drafted tokens kept, by position in the draft (0-based)",
+                                    ["model_name", "position"], registry=registry)
+        self.spec_rate = Gauge("tokenmill:spec_decode_acceptance_rate",
+                               "Drafted tokens kept / drafted, since start", **labels)
+        self.spec_length = Gauge("tokenmill:spec_decode_mean_accepted_length",
+                                 "Tokens produced per verification (kept drafts + 1), since start", **labels)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens of finished requests", **labels)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Generated tokens", **labels)
         self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
@@ -94,6 +103,13 @@ class ServerMetrics:
         self.preemptions.labels(m).inc(snap.num_preemptions - last.num_preemptions)
         self.spec_draft.labels(m).inc(snap.spec_draft_tokens - last.spec_draft_tokens)
         self.spec_accepted.labels(m).inc(snap.spec_accepted_tokens - last.spec_accepted_tokens)
+        if snap.spec_drafts:
+            self.spec_drafts.labels(m).inc(snap.spec_drafts - last.spec_drafts)
+            previous = last.spec_accepted_per_position
+            for j, kept in enumerate(snap.spec_accepted_per_position):
+                self.spec_per_pos.labels(m, str(j)).inc(kept - (previous[j] if j < len(previous) else 0))
+            self.spec_rate.labels(m).set(snap.spec_accepted_tokens / max(snap.spec_draft_tokens, 1))
+            self.spec_length.labels(m).set(1 + snap.spec_accepted_tokens / snap.spec_drafts)
         self._last = snap
 
     def set_queued(self, queued_in_server: int, engine_waiting: int) -> None:

@@ -78,6 +78,8 @@ class SamplingFields(Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)
+    speculative: bool = True
+    """False: no speculative drafts for this request (the output is distributed the same either way)."""
     """Lower is served first (vLLM's convention)."""
     cache_salt: Text | None = Field(None, max_length=256)
     """Requests with different salts never share prefix-cache blocks."""

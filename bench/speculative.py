@@ -1,19 +1,21 @@
-"""Speculative decoding on and off, side by side in one run: output tok/s, acceptance, kept tokens per step.
+"""Speculative decoding on and off, side by side in one run: output tok/s, acceptance, tokens per step.
 
-    python bench/speculative.py [--model smollm2-135m-instruct] [--batches 1 4 16] [--rounds 3]
-                                [--max-tokens 192] [--k 4]
+    python bench/speculative.py [--model smollm2-135m-instruct] [--methods ngram eagle layerskip]
+                                [--draft-model M] [--eagle-head DIR] [--batches 1 4 16 64] [--rounds 3]
+                                [--max-tokens 192] [--k 4] [--no-adaptive]
 
 Workloads, fixed here and built from the corpus (Shakespeare, public domain) so that every run
 measures the same prompts:
     copy   "Copy the following passage exactly": input-grounded, the n-gram proposer's case
     edit   "Rewrite the passage, changing only the names": mostly copied, partly new
+    code   "Rename the function ..." on a fixed Python module (CODE below): code modification
     open   a plain continuation of a passage: open-ended, little to look up
 
-Each (workload, batch) runs speculation off and on in alternating order, ``--rounds`` times, on
-the same prompts (greedy, EOS allowed; output tokens counted as produced: in bfloat16 a near-tie
-may send the two down different paths). Reports the median output tok/s of each, their ratio, the
-acceptance rate (kept / drafted) and the output tokens per engine step of each (how many steps
-speculation saved). Writes JSON and a PNG under bench/results/.
+Each (workload, batch) runs speculation off and every method in rotating order, ``--rounds``
+times, on the same prompts (greedy, EOS allowed; output tokens counted as produced). Reports the
+median output tok/s of each, the ratio to off, the acceptance rate (kept / drafted), the mean
+accepted length (tokens per verification) and the acceptance per draft position. Writes JSON and
+a PNG under bench/results/.
 """
 
 from __future__ import annotations
@@ -32,95 +34,176 @@ RESULTS = Path(__file__).parent / "results"
 WORKLOADS = {
     "copy": "Copy the following passage exactly, word for word.\n\n{passage}",
     "edit": "Rewrite the following passage, changing only the names of the people in it.\n\n{passage}",
+    "code": "Rename the function `{name}` to `{name}_v2` everywhere in this module and return the whole "
+            "module.\n\n```python\n{code}```\n",
     "open": "{passage}",
 }
 
+CODE = '''import math
 
-def prompts(llm: LLM, workload: str, n: int, seed: int) -> list[list[int]]:
+
+def mean(values):
+    """The arithmetic mean of a non-empty list."""
+    return sum(values) / len(values)
+
+
+def variance(values):
+    """The population variance."""
+    m = mean(values)
+    return sum((v - m) ** 2 for v in values) / len(values)
+
+
+def stddev(values):
+    return math.sqrt(variance(values))
+
+
+def zscores(values):
+    m, s = mean(values), stddev(values)
+    return [(v - m) / s for v in values]
+
+
+def moving_average(values, window):
+    out = []
+    for i in range(len(values) - window + 1):
+        out.append(mean(values[i:i + window]))
+    return out
+'''
+CODE_NAMES = ["mean", "variance", "stddev", "zscores", "moving_average"]
+
+
+def prompt_texts(workload: str, n: int, seed: int) -> list[str]:
+    """The workload's n prompts (the user's text), drawn from the corpus with ``seed``."""
     text = fetch_corpus().read_text(encoding="utf-8")
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         at = rng.randrange(0, len(text) - 2000)
         passage = text[at:at + rng.randrange(600, 1200)]
-        out.append(llm.tokenizer.encode(WORKLOADS[workload].format(passage=passage)))
+        out.append(WORKLOADS[workload].format(passage=passage, code=CODE, name=CODE_NAMES[i % len(CODE_NAMES)]))
     return out
 
 
-def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> tuple[float, int, int, float]:
-    """-> (output tok/s, drafted, kept, output tokens per step) of one generate call."""
+def prompts(llm: LLM, workload: str, n: int, seed: int) -> list[list[int]]:
+    """Token ids: instructions as a chat turn (the model's template), ``open`` as plain text to continue."""
+    texts = prompt_texts(workload, n, seed)
+    if workload == "open":
+        return [llm.tokenizer.encode(t) for t in texts]
+    return [llm.render_chat([{"role": "user", "content": t}]) for t in texts]
+
+
+def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> dict:
+    """One generate call -> output tok/s, drafted / kept tokens, verifications, kept per position,
+    output tokens per engine step."""
     drafter = llm.engine.drafter
-    before = (drafter.num_draft_tokens, drafter.num_accepted_tokens) if drafter else (0, 0)
+    c = drafter.counters if drafter else None
+    before = (c.num_draft_tokens, c.num_accepted_tokens, c.num_drafts, list(c.accepted_per_position)) if c else None
     llm.engine.stats.clear()
     start = time.perf_counter()
     outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    drafted = (drafter.num_draft_tokens - before[0]) if drafter else 0
-    kept = (drafter.num_accepted_tokens - before[1]) if drafter else 0
-    return tokens / seconds, drafted, kept, tokens / max(len(llm.engine.stats), 1)
+    out = {"tok_s": tokens / seconds, "per_step": tokens / max(len(llm.engine.stats), 1), "drafted": 0, "kept": 0,
+           "drafts": 0, "per_pos": []}
+    if c:
+        out.update(drafted=c.num_draft_tokens - before[0], kept=c.num_accepted_tokens - before[1],
+                   drafts=c.num_drafts - before[2],
+                   per_pos=[a - b for a, b in zip(c.accepted_per_position, before[3])])
+    return out
+
+
+def engines(args) -> dict[str, LLM]:
+    out = {"off": LLM(args.model, device="cpu")}
+    for method in args.methods:
+        spec = {"method": method, "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive}
+        if method == "draft":
+            spec["draft_model"] = args.draft_model
+        if method == "eagle":
+            spec["draft_model"] = args.eagle_head
+        if method == "layerskip" and args.layer_skip_layers:
+            spec["layer_skip_layers"] = args.layer_skip_layers
+        out[method] = LLM(args.model, device="cpu", speculative=spec)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft", "eagle", "layerskip"])
+    parser.add_argument("--draft-model", default=None, help="the draft of method draft")
+    parser.add_argument("--eagle-head", default=None, help="the head directory of method eagle "
+                        "(tokenmill spec train-heads MODEL --out DIR)")
+    parser.add_argument("--layer-skip-layers", type=int, default=0)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (speculative_adaptive off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
     args = parser.parse_args()
-    engines = {"off": LLM(args.model, device="cpu"),
-               "ngram": LLM(args.model, device="cpu", speculative_method="ngram", num_speculative_tokens=args.k)}
+    if ("draft" in args.methods) != (args.draft_model is not None):
+        parser.error("--methods draft needs --draft-model (and --draft-model needs --methods draft)")
+    if ("eagle" in args.methods) != (args.eagle_head is not None):
+        parser.error("--methods eagle needs --eagle-head (and --eagle-head needs --methods eagle)")
+    llms = engines(args)
+    names = list(llms)
     rows = []
     for workload in args.workloads:
         for batch in args.batches:
-            ids = prompts(engines["off"], workload, batch, args.seed)
-            for llm in engines.values():  # warm-up (and the prompts into the prefix cache for both alike)
+            ids = prompts(llms["off"], workload, batch, args.seed)
+            for llm in llms.values():  # warm-up (and the prompts into the prefix cache for all alike)
                 run(llm, ids, 8)
-            tok_s = {name: [] for name in engines}
-            per_step = {name: [] for name in engines}
-            drafted = kept = 0
+            runs = {name: [] for name in names}
             for r in range(args.rounds):
-                for name in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
-                    speed, d, k, tps = run(engines[name], ids, args.max_tokens)
-                    tok_s[name].append(speed)
-                    per_step[name].append(tps)
-                    drafted, kept = drafted + d, kept + k
-            off, on = statistics.median(tok_s["off"]), statistics.median(tok_s["ngram"])
-            steps = {name: statistics.median(v) for name, v in per_step.items()}
-            row = {"workload": workload, "batch": batch, "off_tok_s": off, "ngram_tok_s": on, "ratio": on / off,
-                   "drafted": drafted, "kept": kept, "acceptance": kept / drafted if drafted else None,
-                   "tokens_per_step": steps, "runs": tok_s}
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    runs[name].append(run(llms[name], ids, args.max_tokens))
+            off = statistics.median(x["tok_s"] for x in runs["off"])
+            row = {"workload": workload, "batch": batch, "off_tok_s": off, "methods": {}}
+            line = f"{workload:5s} batch {batch:3d}: off {off:7.1f} tok/s"
+            for name in names[1:]:
+                tok_s = statistics.median(x["tok_s"] for x in runs[name])
+                drafted, kept, drafts = (sum(x[k] for x in runs[name]) for k in ("drafted", "kept", "drafts"))
+                per_pos = [sum(col) / drafts if drafts else None for col in zip(*(x["per_pos"] for x in runs[name]))]
+                entry = {"tok_s": tok_s, "ratio": tok_s / off, "drafted": drafted, "kept": kept,
+                         "acceptance": kept / drafted if drafted else None,
+                         "mean_accepted_length": 1 + kept / drafts if drafts else None,
+                         "acceptance_per_position": per_pos,
+                         "tokens_per_step": statistics.median(x["per_step"] for x in runs[name]),
+                         "runs": [x["tok_s"] for x in runs[name]]}
+                row["methods"][name] = entry
+                acc = f"{100 * entry['acceptance']:.0f}%, len {entry['mean_accepted_length']:.2f}" if drafted else "-"
+                line += f" | {name} {tok_s:7.1f} x{tok_s / off:.2f} (accept {acc})"
+            row["off_runs"] = [x["tok_s"] for x in runs["off"]]
             rows.append(row)
-            acc = f"{100 * row['acceptance']:.0f}%" if drafted else "-"
-            print(f"{workload:5s} batch {batch:3d}: off {off:7.1f} tok/s, ngram {on:7.1f} tok/s, x{on / off:.2f}; "
-                  f"acceptance {acc}; output tokens per step {steps['off']:.2f} -> {steps['ngram']:.2f}",
-                  flush=True)
+            print(line, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                                     "rows": rows}, indent=2))
-    _plot(rows, args.out.with_suffix(".png"))
+    _plot(rows, names[1:], args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
-def _plot(rows: list[dict], path: Path) -> None:
+def _plot(rows: list[dict], methods: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, (speed, accept) = plt.subplots(2, 1, figsize=(max(7, 0.6 * len(rows)), 6), sharex=True)
     labels = [f"{r['workload']}\nb={r['batch']}" for r in rows]
-    ax.bar(range(len(rows)), [r["ratio"] for r in rows], color="C0")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
-    ax.set_ylabel("ngram / off, output tok/s")
-    ax.set_title("speculative decoding (n-gram)")
+    width = 0.8 / max(len(methods), 1)
+    for m, name in enumerate(methods):
+        xs = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(rows))]
+        speed.bar(xs, [r["methods"][name]["ratio"] for r in rows], width, label=name)
+        accept.bar(xs, [r["methods"][name]["acceptance"] or 0 for r in rows], width, label=name)
+    speed.axhline(1.0, color="k", lw=0.8)
+    speed.set_ylabel("output tok/s / off")
+    accept.set_ylabel("acceptance rate")
+    accept.set_xticks(range(len(rows)), labels, fontsize=8)
+    speed.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,13 @@ LAYERS: list[set[str]] = [
     {"tokenmill.loading"},                         # sources, GGUF, safetensors, tokenizer, checkpoints
     {"tokenmill.attention"},                       # KV storage, step metadata, the backend
     {"tokenmill.models"},                          # layers, families, model construction
+    {"tokenmill.training"},                        # the training loop QAT, speculative heads, ... share
     {"tokenmill.engine"},                          # scheduler, KV manager, runner, sampler, LLMEngine
     {"tokenmill.eval"},                            # perplexity (over the engine's runner)
     {"tokenmill.quantization"},                    # quantized weights, methods, checkpoints
     {"tokenmill.loader"},                          # the facade: any model argument to a loaded model
     {"tokenmill.llm"},                             # the offline API
+    {"tokenmill.spec_heads"},                      # training speculative heads on the model's own text
     {"tokenmill.server", "tokenmill.benchmark"},
     {"tokenmill.commands"},                        # one module per CLI command family
     {"tokenmill.cli"},

@@ -16,6 +16,7 @@ from tokenmill.errors import TokenmillError
 from tokenmill.options import add_option_group
 from tokenmill.commands.eval import add_eval_parser, cmd_eval
 from tokenmill.commands.qat import add_qat_parser, cmd_qat
+from tokenmill.commands.spec import add_spec_parser, cmd_spec
 from tokenmill.commands.quantize import add_quantize_parser, cmd_quantize
 
 
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     add_quantize_parser(sub)
     add_qat_parser(sub)
+    add_spec_parser(sub)
     add_eval_parser(sub)
     return parser
 
@@ -137,7 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve,
-            "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat}
+            "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat, "spec": cmd_spec}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -55,9 +55,9 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.device = loaded.model.embed.weight.device
         self.dtype = loaded.model.embed.weight.dtype
-        draft_name = engine_config.speculative.draft_model
-        draft = None if draft_name is None else load_model(draft_name, load_config.dtype, load_config.device,
-                                                           load_config.cache_dir)
+        spec = engine_config.speculative
+        draft = None if spec.speculative_method != "draft" else load_model(
+            spec.draft_model, load_config.dtype, load_config.device, load_config.cache_dir)
         self.engine = LLMEngine(loaded, self.device, engine_config, draft)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams

@@ -273,7 +273,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_dir):
     with pytest.raises(InvalidParameterError, match="does not share the target's tokenizer: vocabulary of 49152"):
         LLM(str(tiny_dir), dtype="float32", device="cpu",
             speculative={"method": "draft", "model": "smollm2-135m-instruct"})
-    with pytest.raises(InvalidParameterError, match="speculative_method draft needs draft_model"):
+    with pytest.raises(InvalidParameterError, match="speculative_method draft or eagle needs draft_model"):
         LLM(str(tiny_dir), speculative={"method": "draft"})
     with pytest.raises(InvalidParameterError, match="layer_skip_layers must be in 1..1 for a 2-layer model, got 2"):
         LLM(str(tiny_dir), speculative={"method": "layerskip", "layer_skip_layers": 2})

@@ -75,7 +75,7 @@ class CacheConfig(Config):
         return int(self.kv_cache_memory * free_memory(device))
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "layerskip")
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle", "layerskip")
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,9 @@ class SpeculativeConfig(Config):
     speculative_method: str | None = option(
         None, "draft tokens that the model verifies in the step's batch (output distributed as without): ngram "
               "(prompt lookup: what followed the newest n-gram earlier in the sequence), draft (a smaller model "
-              "with the same tokenizer: --draft-model), layerskip (the model's own first layers and head); "
-              "off by default", choices=SPECULATIVE_METHODS)
+              "with the same tokenizer: --draft-model), eagle (a head trained by `tokenmill spec train-heads`: "
+              "--draft-model DIR), layerskip (the model's own first layers and head); off by default",
+        choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = option(4, "most tokens drafted for a sequence in one step")
     speculative_adaptive: bool = option(
         True, "size each step's drafts from the measured acceptance rate and step cost, down to none under load; "
@@ -97,7 +98,7 @@ class SpeculativeConfig(Config):
     prompt_lookup_max: int = option(4, "ngram: the longest n-gram looked up (tried first)")
     draft_model: str | None = option(
         None, "draft: the draft model (a known name, GGUF file, HF or tokenmill-quantized directory); it must "
-              "share the model's tokenizer")
+              "share the model's tokenizer. eagle: the head's directory")
     layer_skip_layers: int = option(0, "layerskip: how many of the model's first layers the draft runs; 0 means half")
 
     KEYS: ClassVar[dict[str, str]] = {
@@ -128,9 +129,9 @@ class SpeculativeConfig(Config):
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InvalidParameterError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                         f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
-        if (self.speculative_method == "draft") != (self.draft_model is not None):
-            raise InvalidParameterError("speculative_method draft needs draft_model (and draft_model needs "
-                                        f"speculative_method draft); got method {self.speculative_method!r}, "
+        if (self.speculative_method in ("draft", "eagle")) != (self.draft_model is not None):
+            raise InvalidParameterError("speculative_method draft or eagle needs draft_model (and draft_model needs "
+                                        f"one of them); got method {self.speculative_method!r}, "
                                         f"draft_model {self.draft_model!r}")
         if self.layer_skip_layers < 0:
             raise InvalidParameterError(f"layer_skip_layers must be >= 0, got {self.layer_skip_layers}")

@@ -69,6 +69,9 @@ class RunnerOutput:
     """Index in the input of each sampling sequence, in the order of ``sample_logits``."""
     all_logits: dict[int, torch.Tensor]
     """Index in the input -> [len(token_ids), vocab] for the sequences with ``all_logits``."""
+    hidden: torch.Tensor | None = None
+    """[total new tokens, hidden]: the final hidden states (before the final norm) of every new
+    token, in input order, when asked for (``execute(..., with_hidden=True)``)."""
 
 
 class ModelRunner:
@@ -97,8 +100,9 @@ class ModelRunner:
         return runner
 
     @torch.inference_mode()
-    def execute(self, inputs: list[SequenceInput]) -> RunnerOutput:
-        """One forward pass over every input's new tokens -> the logits they asked for."""
+    def execute(self, inputs: list[SequenceInput], with_hidden: bool = False) -> RunnerOutput:
+        """One forward pass over every input's new tokens -> the logits they asked for (and, with
+        ``with_hidden``, every new token's final hidden state: a speculative head's input)."""
         tokens: list[int] = []
         for item in inputs:
             tokens.extend(item.token_ids)
@@ -109,7 +113,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[picked])
         full = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
                 for i, item in enumerate(inputs) if item.all_logits}
-        return RunnerOutput(logits, rows, full)
+        return RunnerOutput(logits, rows, full, hidden if with_hidden else None)
 
     def _metadata(self, inputs: list[SequenceInput]) -> PagedAttentionMetadata:
         """The step's attention metadata. A step whose sequences all bring at most ``DECODE_ROWS_MAX``

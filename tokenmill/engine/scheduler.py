@@ -43,6 +43,8 @@ class ScheduledSequence:
     """Tokens ``tokens_with_draft()[num_computed_tokens : num_computed_tokens + num_new_tokens]`` run this step."""
     num_draft: int = 0
     """Drafted tokens verified this step: the last ``num_draft`` new tokens (speculative decoding)."""
+    draft_hidden: object = None
+    """The target's hidden states of the drafted tokens (for a head that drafts from them), until verified."""
 
     @property
     def completes(self) -> bool:

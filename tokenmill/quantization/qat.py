@@ -40,7 +40,6 @@ import copy
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,6 @@ from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.errors import InvalidParameterError
 from tokenmill.models.base import CausalLM
 from tokenmill.models.builder import LoadedModel
-from tokenmill.models.layers import Attention
 from tokenmill.paths import default_cache_dir
 from tokenmill.quantization.api import load_float32
 from tokenmill.quantization.config import (
@@ -63,6 +61,8 @@ from tokenmill.quantization.config import (
 from tokenmill.quantization.linear import (
     Int4Linear, Int8Linear, QuantizedLinear, int4_group_params, int4_round, pad_to_groups,
     quantize_int8_per_channel)
+from tokenmill.training.attention import NoCache, training_attention, CausalSDPABackend
+from tokenmill.training.trainer import Trainer, TrainConfig
 from tokenmill.quantization.targets import cast_float_parameters, quantization_targets, set_module
 
 TRAIN_SPLIT = (0.25, 0.75)
@@ -287,54 +287,12 @@ def convert_qat(model: CausalLM, config: QATConfig, progress: bool = True) -> Ca
 
 # --------------------------------------------------------------------------- training forward
 
-class CausalSDPABackend:
-    """Attention for training: a flat batch of ``batch_size`` sequences of ``seq_len`` tokens each,
-    every one attending causally over itself (within its window on sliding layers), no cache."""
-
-    def __init__(self, batch_size: int, seq_len: int) -> None:
-        self.batch_size, self.seq_len = batch_size, seq_len
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, meta: Any, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
-        """q [B * S, H, D], k/v [B * S, Hkv, D] -> [B * S, H, D]."""
-        b, s = self.batch_size, self.seq_len
-        q4, k4, v4 = (t.view(b, s, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        mask = None
-        if sliding_window is not None and sliding_window < s:
-            pos = torch.arange(s, device=q.device)
-            mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < sliding_window)
-        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=q.shape[1] != k.shape[1])
-        return o.transpose(1, 2).reshape(q.shape)
-
-
-class _NoCache:
-    """The KV cache argument of a training forward: CausalSDPABackend reads none."""
-
-    def layer(self, index: int) -> None:
-        return None
-
-
-@contextmanager
-def training_attention(model: nn.Module, backend: CausalSDPABackend) -> Iterator[None]:
-    """Every attention layer of ``model`` uses ``backend`` inside the block; restored after."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    saved = [m.backend for m in layers]
-    for m in layers:
-        m.backend = backend
-    try:
-        yield
-    finally:
-        for m, b in zip(layers, saved):
-            m.backend = b
-
-
 def training_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
     """ids [B, S] -> float32 logits [B, S, vocab], differentiable (each row its own sequence)."""
     b, s = ids.shape
     positions = torch.arange(s, device=ids.device).repeat(b)
     with training_attention(model, CausalSDPABackend(b, s)):
-        hidden = model(ids.reshape(-1), positions, _NoCache(), None)
+        hidden = model(ids.reshape(-1), positions, NoCache(), None)
     return model.compute_logits(hidden).view(b, s, -1)
 
 
@@ -386,16 +344,6 @@ def qat_loss(logits: torch.Tensor, ids: torch.Tensor, teacher_logits: torch.Tens
     return (1 - distill_weight) * ce + distill_weight * kl, ce.item(), kl.item()
 
 
-def lr_schedule(config: QATConfig) -> Any:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to zero at ``steps``."""
-    def factor(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return factor
-
-
 def trainable_parameters(model: CausalLM, config: QATConfig) -> list[nn.Parameter]:
     """Every float parameter but the embedding (unless ``train_embedding``); sets requires_grad."""
     model.requires_grad_(True)
@@ -415,34 +363,25 @@ def qat_finetune(model: CausalLM, data: Any, config: QATConfig, teacher: CausalL
     if config.distill_weight > 0 and teacher is None:
         raise InvalidParameterError("qat_finetune: distill_weight > 0 needs the float model as teacher")
     ids = list(data) if isinstance(data, (list, tuple)) else training_ids(data, cache_dir)
-    device = model.embed.weight.device
-    optimizer = torch.optim.AdamW(trainable_parameters(model, config), lr=config.lr,
-                                  weight_decay=config.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config))
+    trainable_parameters(model, config)  # what the trainer optimizes: requires_grad set here
     if teacher is not None:
         teacher.requires_grad_(False)
-    log = QATLog()
-    bar = tqdm(sample_batches(ids, config, device), total=config.steps, desc="QAT", disable=not progress, unit="step")
-    for batch in bar:
+
+    def loss_fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         teacher_logits = None
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.mixed_precision):
-            if teacher is not None and config.distill_weight > 0:
-                with torch.no_grad():
-                    teacher_logits = training_logits(teacher, batch)
-            logits = training_logits(model, batch)
-        loss, ce, kl = qat_loss(logits, batch, teacher_logits, config.distill_weight)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], config.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        log.loss.append(loss.item())
-        log.ce.append(ce)
-        if kl is not None:
-            log.kl.append(kl)
-        bar.set_postfix(loss=f"{log.loss[-1]:.4f}", ce=f"{ce:.3f}", **({} if kl is None else {"kl": f"{kl:.4f}"}))
+        if teacher is not None and config.distill_weight > 0:
+            with torch.no_grad():
+                teacher_logits = training_logits(teacher, batch)
+        loss, ce, kl = qat_loss(training_logits(model, batch), batch, teacher_logits, config.distill_weight)
+        return loss, {"ce": ce} if kl is None else {"ce": ce, "kl": kl}
+
+    train = TrainConfig(steps=config.steps, lr=config.lr, warmup_steps=config.warmup_steps,
+                        weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
+                        mixed_precision=config.mixed_precision)
+    trainer = Trainer({"model": model}, train, desc="QAT", progress=progress)
+    values = trainer.fit(sample_batches(ids, config, model.embed.weight.device), loss_fn).values
     model.requires_grad_(False)
-    return log
+    return QATLog(values.get("loss", []), values.get("ce", []), values.get("kl", []))
 
 
 def qat(model: str | os.PathLike, config: QATConfig, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",

@@ -32,6 +32,17 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, draft: LoadedM
             raise InvalidParameterError(f"layer_skip_layers must be in 1..{total - 1} for a {total}-layer model, "
                                         f"got {layers}")
         model, name = layer_skip_model(target.model, list(range(layers))), f"layerskip({layers})"
+    elif method == "eagle":
+        from tokenmill.engine.spec.eagle import EagleHead, EagleProposer
+
+        head = EagleHead.load(config.draft_model, target.model)
+        num_blocks = -(-num_tokens // block_size) + 1
+        draft_cost = CostCurve()
+        proposer = EagleProposer(head, target.model, num_blocks, block_size, sampler, draft_cost.observe,
+                                 f"eagle({config.draft_model})")
+        logger.info("speculative decoding: EAGLE head %s (draft vocabulary %d), up to %d tokens a step",
+                    config.draft_model, len(head.vocab), config.num_speculative_tokens)
+        return Drafter(config, proposer, draft_cost)
     elif method == "draft":
         if draft is None:
             raise InvalidParameterError("speculative_method draft: the draft model was not loaded")

@@ -93,7 +93,7 @@ class DraftModelProposer:
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         while active:
             start = time.perf_counter()
-            logits = self.runner.execute(inputs).sample_logits
+            logits = self._run([seqs[i] for i in active], inputs)
             self._guess([seqs[i] for i in active], [guesses[i] for i in active], [probs[i] for i in active], logits)
             if self.observe is not None:
                 self.observe(len(active), time.perf_counter() - start)
@@ -110,6 +110,25 @@ class DraftModelProposer:
             drafts[i] = Draft(tokens, torch.stack(rows) if rows and len(rows) == len(tokens) else None)
         return drafts
 
+    def _run(self, seqs: list[Sequence], inputs: list[SequenceInput]) -> torch.Tensor:
+        """One forward pass of the draft -> the logits of each input's last token."""
+        return self.runner.execute(inputs).sample_logits
+
+    def _kept_prefix(self, seq: Sequence, fed: _Fed) -> int:
+        """How much of what the draft holds is still right: its tokens, then its fed guesses up to
+        the first one the sequence did not keep."""
+        ids, keep = seq.all_token_ids, fed.num_tokens
+        for g in fed.guesses:
+            if keep < len(ids) and ids[keep] == g:
+                keep += 1
+            else:
+                break
+        return keep
+
+    def _first_input(self, seq: Sequence, keep: int) -> SequenceInput:
+        """Pass 0's input: the sequence's tokens from ``keep`` on (its KV slots allocated)."""
+        return SequenceInput(seq.all_token_ids[keep:], keep, self.kv.block_table(seq.seq_id), True)
+
     def _catch_up(self, seq: Sequence) -> SequenceInput | None:
         """Drop what the draft holds past the sequence's tokens and allocate the tokens it lacks ->
         the first pass's input; None (and nothing held) when the draft's pool is full."""
@@ -117,19 +136,13 @@ class DraftModelProposer:
         fed = self._fed.get(seq.seq_id)
         keep = 0
         if fed is not None:
-            keep = fed.num_tokens
-            for g in fed.guesses:
-                if keep < len(ids) and ids[keep] == g:
-                    keep += 1
-                else:
-                    break
-            keep = min(keep, len(ids) - 1)  # at least one token to feed
+            keep = min(self._kept_prefix(seq, fed), len(ids) - 1)  # at least one token to feed
             self.kv.truncate(seq.seq_id, keep)
         if not self.kv.allocate_slots(seq.seq_id, ids, len(ids) - keep):
             self.release(seq.seq_id)
             return None
         self._fed[seq.seq_id] = _Fed(len(ids), [])
-        return SequenceInput(ids[keep:], keep, self.kv.block_table(seq.seq_id), True)
+        return self._first_input(seq, keep)
 
     def _feed(self, seq: Sequence, guess: int) -> SequenceInput | None:
         """The next pass's input of a sequence still drafting: its newest guess; None when the

@@ -1,0 +1,125 @@
+"""Speculative decoding through the HTTP servers, side by side: tokenmill and llama.cpp's
+``llama-server``, each without and with n-gram speculation, on bench/speculative.py's workloads.
+
+    python bench/peers/spec_compare.py [--workloads copy code edit open] [--concurrencies 1,4]
+                                       [--output-len 128] [--requests 8] [--llama-spec-type ngram-simple]
+
+    tokenmill off       tokenmill serve GGUF
+    tokenmill ngram     tokenmill serve GGUF --speculative-method ngram
+    llama.cpp off       llama-server -m GGUF -np S --cont-batching
+    llama.cpp ngram     llama-server ... --spec-type ngram-simple (llama.cpp's prompt lookup)
+
+Each server runs alone (one at a time, never two sharing the cores) and is stopped after its
+sweep. Requests: the workload's prompt as one user message to /v1/chat/completions (each server
+applies the GGUF's chat template), greedy, ``--output-len`` tokens with EOS ignored, streamed.
+Output tok/s and TPOT p50 per (workload, concurrency); the ratio of each server's speculation
+to its own off, and tokenmill's to llama.cpp's. With --scrape-metrics tokenmill's acceptance is
+read from /metrics. Writes JSON and markdown under bench/results/peers/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from serve_compare import RESULTS, Server, free_port, llama_server, running, served_model  # noqa: E402
+from speculative import WORKLOADS, prompt_texts  # noqa: E402
+
+from tokenmill.benchmark.client import ClientConfig  # noqa: E402
+from tokenmill.benchmark.report import markdown_table, write_json  # noqa: E402
+from tokenmill.benchmark.runner import LoadConfig, run_serve  # noqa: E402
+from tokenmill.benchmark.workloads import Conversation, Turn, load_tokenizer  # noqa: E402
+
+
+def conversations(tokenizer, workload: str, n: int, output_len: int, seed: int) -> list[Conversation]:
+    return [Conversation((Turn(t, len(tokenizer.encode(t, add_special_tokens=False)), output_len),))
+            for t in prompt_texts(workload, n, seed)]
+
+
+def servers(args, gguf: Path) -> list[Server]:
+    out = []
+    for spec in ("off", "ngram"):
+        port = free_port()
+        cmd = [sys.executable, "-m", "tokenmill", "serve", str(gguf), "--port", str(port), "--device", "cpu",
+               "--max-num-seqs", str(args.slots)]
+        if spec == "ngram":
+            cmd += ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
+        out.append(Server(f"tokenmill {spec}", cmd, port))
+    for spec in ("off", "ngram"):
+        server = llama_server(argparse.Namespace(build=args.build, input_len=args.input_len,
+                                                 output_len=args.output_len, slots=args.slots,
+                                                 threads=args.threads), gguf)
+        if spec == "ngram":
+            server.command += ["--spec-type", args.llama_spec_type, "--spec-draft-n-max", str(args.k)]
+        out.append(Server(f"llama.cpp {spec}", server.command, server.port))
+    return out
+
+
+def main() -> None:
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a GGUF model name or file")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--concurrencies", default="1,4")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=1024, help="llama-server context per slot, with output")
+    parser.add_argument("--requests", type=int, default=8, help="requests per (workload, concurrency)")
+    parser.add_argument("--k", type=int, default=4, help="most draft tokens per step, both servers")
+    parser.add_argument("--llama-spec-type", default="ngram-simple")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--no-build", dest="build", action="store_false")
+    args = parser.parse_args()
+    loads = [int(c) for c in args.concurrencies.split(",")]
+    args.slots = max(loads)
+
+    from tokenmill.loading.sources import resolve_model
+
+    source = resolve_model(args.model)
+    if source.format != "gguf":
+        parser.error(f"{args.model} is not a GGUF model: both servers must load the same GGUF file")
+    tokenizer = load_tokenizer(args.model)
+    work = {(w, c): conversations(tokenizer, w, max(args.requests, c), args.output_len, args.seed + i)
+            for i, w in enumerate(args.workloads) for c in loads}
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    stem = RESULTS / f"spec-{datetime.now():%Y%m%d-%H%M%S}"
+    results: dict[str, dict] = {}
+    for server in servers(args, source.path):
+        print(f"== {server.name}", flush=True)
+        try:
+            with running(server, Path(f"{stem}-{server.name.replace(' ', '-')}.log"), args.startup_timeout) as root:
+                client = ClientConfig(root, served_model(root), "chat", ignore_eos=True, temperature=0.0)
+                run_serve(client, LoadConfig(max_concurrency=2), work[next(iter(work))][:2], count, progress=False)
+                for (w, c), convs in work.items():
+                    s = run_serve(client, LoadConfig(max_concurrency=c), convs, count, progress=False).summary
+                    results.setdefault(server.name, {})[f"{w} c={c}"] = {
+                        "tok_s": s.output_throughput, "tpot_p50_ms": s.tpot.median, "failed": s.failed}
+                    print(f"  {w} c={c}: {s.output_throughput:.1f} tok/s, TPOT p50 {s.tpot.median or 0:.1f} ms"
+                          f"{f', {s.failed} failed' if s.failed else ''}", flush=True)
+        except RuntimeError as exc:
+            print(f"  skipped: {exc}", flush=True)
+    rows = []
+    for key in (f"{w} c={c}" for w in args.workloads for c in loads):
+        got = {name: r.get(key, {}).get("tok_s") for name, r in results.items()}
+        ratio = lambda a, b: f"x{got[a] / got[b]:.2f}" if got.get(a) and got.get(b) else "-"  # noqa: E731
+        rows.append([key, *(f"{got[n]:.1f}" if got.get(n) else "-" for n in results),
+                     ratio("tokenmill ngram", "tokenmill off"), ratio("llama.cpp ngram", "llama.cpp off"),
+                     ratio("tokenmill ngram", "llama.cpp ngram")])
+    header = ["workload", *results, "tokenmill spec/off", "llama.cpp spec/off", "tokenmill/llama.cpp spec"]
+    table = markdown_table(header, rows)
+    print(f"\noutput tok/s, {args.output_len} tokens per request (EOS ignored), greedy, chat\n\n{table}")
+    write_json({"kind": "spec_peers", "args": vars(args), "results": results}, stem.with_suffix(".json"))
+    stem.with_suffix(".md").write_text(table + "\n")
+    print(f"wrote {stem.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,19 +2,22 @@
 
     tokenmill spec train-heads MODEL --out DIR        (or train_eagle_head(MODEL, DIR, HeadTrainingConfig()))
 
-1. data      the target answers ``prompts`` chat prompts built from the training half of the corpus
-             (summarise, continue, explain, rewrite, question a passage) with temperature sampling;
+1. data      the target answers ``prompts`` chat prompts, half built from the training half of the corpus
+             (summarise, continue, explain, rewrite, question a passage), half generic requests (task x
+             topic: explain, poem, tips, story, code, email, ...), with temperature sampling;
              each prompt + answer is one training sequence. Its hidden states (final, before the norm,
              as the engine computes them) come from the same model. Saved to ``DIR/data.pt`` once.
 2. vocab     the ``draft_vocab`` most frequent tokens of those sequences: the head's output rows.
 3. training  position p of a window: the head reads (f_{p-1}, t_p) and predicts f_p. Loss: smooth L1
              to the true f_p, plus ``cls_weight`` x cross entropy of the head's draft-vocabulary
-             distribution against the target's (its logits on the same rows), the EAGLE recipe. The
+             distribution against the target's (its logits on the same rows), the EAGLE recipe;
+             ``unroll`` steps, step j reading the head's own step j - 1 predictions (as drafting does). The
              shared trainer (training/trainer.py): AdamW, warm-up + cosine, gradient accumulation,
              checkpoints every ``checkpoint_every`` steps in ``DIR``, resume after an interruption.
 4. report    on held-out sequences (the last tenth): how often the head's top token is the target's
              top token at the next position, from true features (an estimate of the first draft
-             token's acceptance); written into ``DIR/eagle.json`` beside the settings and losses.
+             token's acceptance), and at step 2 from the head's own features (the second token's);
+             written into ``DIR/eagle.json`` beside the settings and losses.
 """
 
 from __future__ import annotations
@@ -39,6 +42,20 @@ from tokenmill.training.trainer import TrainConfig, Trainer
 DATA_FILE = "data.pt"
 TRAIN_SPLIT = (0.25, 0.75)
 """The corpus characters prompts are cut from (the middle half; perplexity reads the last part)."""
+
+TOPICS = ["the water cycle", "how a bicycle works", "photosynthesis", "the French Revolution", "black holes",
+          "compound interest", "how vaccines work", "the history of the printing press", "machine learning",
+          "volcanoes", "the rules of chess", "healthy sleep habits", "how to bake bread", "the moon landing",
+          "electric cars", "the immune system", "ancient Rome", "climate change", "how the internet works",
+          "learning a new language", "the stock market", "honey bees", "the Pythagorean theorem", "recycling",
+          "jazz music", "time management", "the human heart", "earthquakes", "renewable energy", "coffee"]
+TASKS = ["Explain {topic} to a curious twelve-year-old.", "Write a short poem about {topic}.",
+         "Give five practical tips related to {topic}.", "Write a short story that involves {topic}.",
+         "What are the most common misconceptions about {topic}?", "Summarise the key facts about {topic}.",
+         "Write a Python function related to {topic}, with a docstring and an example.",
+         "Compare {topic} with something similar and list the differences.",
+         "Write an email to a friend recommending they learn about {topic}."]
+"""Generic chat prompts (task x topic): the other half of the prompts, so a head sees more than Shakespeare."""
 
 INSTRUCTIONS = [
     "Summarise the following passage in a few sentences.\n\n{passage}",
@@ -72,6 +89,9 @@ class HeadTrainingConfig:
     warmup_steps: int = 20
     cls_weight: float = 0.1
     """Weight of the distribution loss beside the hidden-state regression (EAGLE: 0.1)."""
+    unroll: int = 2
+    """Drafting steps trained: step j reads the head's own step j - 1 predictions as features, as
+    drafting does after its first token (EAGLE-3's training-time test); 1: true features only."""
     checkpoint_every: int = 50
     mixed_precision: bool = True
     seed: int = 0
@@ -96,9 +116,12 @@ def make_prompts(llm: LLM, n: int, seed: int, passage_chars: int = 1200) -> list
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        at = rng.randrange(begin, end - passage_chars)
-        passage = text[at:at + rng.randrange(max(1, passage_chars // 4), passage_chars + 1)]
-        content = INSTRUCTIONS[i % len(INSTRUCTIONS)].format(passage=passage)
+        if i % 2:  # a generic chat request
+            content = rng.choice(TASKS).format(topic=rng.choice(TOPICS))
+        else:  # a task on a corpus passage
+            at = rng.randrange(begin, end - passage_chars)
+            passage = text[at:at + rng.randrange(max(1, passage_chars // 4), passage_chars + 1)]
+            content = INSTRUCTIONS[(i // 2) % len(INSTRUCTIONS)].format(passage=passage)
         out.append(llm.render_chat([{"role": "user", "content": content}]))
     return out
 
@@ -146,26 +169,35 @@ def _windows(data: list[dict[str, torch.Tensor]], config: HeadTrainingConfig):
 
 
 def head_loss(head: EagleHead, target, ids: torch.Tensor, feats: torch.Tensor, truth: torch.Tensor,
-              target_rows: torch.Tensor, cls_weight: float,
-              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """ids [B, S] (t_p), feats [B, S, H] (f_{p-1}), truth [B, S, H] (f_p) -> (loss, {"l1", "ce", "top1"})."""
+              target_rows: torch.Tensor, cls_weight: float, valid: torch.Tensor | None = None,
+              unroll: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
+    """ids [B, S] (t_p), feats [B, S, H] (f_{p-1}), truth [B, S, H] (f_p) -> (loss, {"l1", "ce", "top1"},
+    and "l1_J", "ce_J", "top1_J" for unrolled step J >= 2)."""
     b, s = ids.shape
     positions = torch.arange(s).repeat(b)
+    truth = truth.reshape(b * s, -1)
+    keep = valid.reshape(-1) if valid is not None else torch.ones(b * s, dtype=torch.bool)
+    with torch.no_grad():
+        teacher = (head_norm_target(target, truth[keep]) @ target_rows.T).float()
+        teacher_p = teacher.softmax(-1)
+    total, out = 0.0, {}
+    inputs = feats
     with training_attention(head, CausalSDPABackend(b, s)):
         embeddings = target.embed_tokens(ids.reshape(-1)).float()
         local = head.config.layer_type(0) == "sliding" and target.config.rope_local_theta
         rope = (target.rotary_local if local else target.rotary_global)(positions, embeddings.dtype)
-        pred = head(feats.reshape(b * s, -1), embeddings, rope, None, None)
-    truth = truth.reshape(b * s, -1)
-    keep = valid.reshape(-1) if valid is not None else torch.ones(b * s, dtype=torch.bool)
-    l1 = F.smooth_l1_loss(pred[keep].float(), truth[keep])
-    with torch.no_grad():
-        teacher = (head_norm_target(target, truth[keep]) @ target_rows.T).float()
-        teacher_p = teacher.softmax(-1)
-    student = head.draft_logits(pred[keep]).float()
-    ce = -(teacher_p * student.log_softmax(-1)).sum(-1).mean()
-    top1 = (student.argmax(-1) == teacher.argmax(-1)).float().mean().item()
-    return l1 + cls_weight * ce, {"l1": l1.item(), "ce": ce.item(), "top1": top1}
+        for step in range(unroll):
+            pred = head(inputs.reshape(b * s, -1), embeddings, rope, None, None)
+            l1 = F.smooth_l1_loss(pred[keep].float(), truth[keep])
+            student = head.draft_logits(pred[keep]).float()
+            ce = -(teacher_p * student.log_softmax(-1)).sum(-1).mean()
+            total = total + (l1 + cls_weight * ce) / unroll
+            top1 = (student.argmax(-1) == teacher.argmax(-1)).float().mean().item()
+            tag = "" if step == 0 else f"_{step + 1}"
+            out.update({f"l1{tag}": l1.item(), f"ce{tag}": ce.item(), f"top1{tag}": top1})
+            # the next step reads position p - 1's prediction where it read the target's f_{p-1}
+            inputs = torch.cat([feats[:, :1], pred.view(b, s, -1)[:, :-1].to(feats.dtype)], dim=1)
+    return total, out
 
 
 def head_norm_target(target, h: torch.Tensor) -> torch.Tensor:
@@ -200,7 +232,7 @@ def train_eagle_head(model: str, out_dir: str | Path, config: HeadTrainingConfig
 
     def loss_fn(batch):
         ids, feats, truth, mask = batch
-        return head_loss(head, target, ids, feats, truth, rows, config.cls_weight, mask)
+        return head_loss(head, target, ids, feats, truth, rows, config.cls_weight, mask, config.unroll)
 
     trainer = Trainer({"head": head}, config.train_config(), out, desc="EAGLE head", progress=progress)
     log = trainer.fit(_windows(train, config), loss_fn)
@@ -210,10 +242,11 @@ def train_eagle_head(model: str, out_dir: str | Path, config: HeadTrainingConfig
         for d in test:
             feats = torch.cat([torch.zeros_like(d["hidden"][:1]), d["hidden"][:-1]])
             scores.append(head_loss(head, target, d["ids"][None], feats[None], d["hidden"][None], rows,
-                                    config.cls_weight)[1])
+                                    config.cls_weight, unroll=max(2, config.unroll))[1])
     report = {"target": llm.model_name, "training": asdict(config), "train_sequences": len(train),
               "train_tokens": int(sum(len(d["ids"]) for d in train)), "held_out_sequences": len(test),
               "held_out_top1": sum(s["top1"] for s in scores) / max(len(scores), 1),
+              "held_out_top1_step2": sum(s["top1_2"] for s in scores) / max(len(scores), 1),
               "held_out_l1": sum(s["l1"] for s in scores) / max(len(scores), 1),
               "final_loss": sum(log.values["loss"][-10:]) / len(log.values["loss"][-10:]),
               "resumed_at": log.resumed_at}

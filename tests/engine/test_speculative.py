@@ -291,7 +291,9 @@ def test_draft_sizes_follow_the_measured_step_cost():
         d = Drafter(SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4), NgramProposer())
         d._steps = 1  # not a probing step
         for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 320):
-            d.step_cost.observe(tokens, base + cost_per_token * tokens)
+            d.step_cost.observe(tokens, 10.0)  # a first step at a size paying one-off costs: outvoted
+            for _ in range(2):
+                d.step_cost.observe(tokens, base + cost_per_token * tokens)
         seqs = [type("S", (), {"seq_id": f"s{i}"})() for i in range(n)]
         for s in seqs:
             for _ in range(20):
@@ -302,3 +304,22 @@ def test_draft_sizes_follow_the_measured_step_cost():
     assert sizes(0.002, 0.001, 0.5, n=64) == [0] * 64  # every token costs as much as a step: none
     mid = sizes(0.003, 0.01, 0.5)  # acceptance 2/3: the first token of each pays, the second does not
     assert all(0 < k < 4 for k in mid)
+
+
+def test_ngram_drafts_from_the_same_tenants_recent_outputs_only():
+    """A sequence with no match of its own looks in what its tenant's last sequences produced;
+    another tenant's text is never searched."""
+    from tokenmill.engine.request import Sequence
+    from tokenmill.engine.sampler import SamplingState
+
+    def seq(ids, out, salt):
+        s = Sequence("r", 0, ids, SamplingState.create(SamplingParams(), ids), detokenizer=None, cache_salt=salt)
+        for t in out:
+            s.append_token(t)
+        return s
+
+    p = NgramProposer(min_n=2, max_n=3)
+    p.finished(seq([1, 2, 3], [40, 41, 42, 43, 44, 45], "tenant-a"))
+    asking_a = seq([9, 8, 41, 42], [], "tenant-a")
+    asking_b = seq([9, 8, 41, 42], [], "tenant-b")
+    assert [d.token_ids for d in p.propose([asking_a, asking_b], [3, 3])] == [[43, 44, 45], []]

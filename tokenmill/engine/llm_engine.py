@@ -138,7 +138,7 @@ class LLMEngine:
         """Give back everything a finished (or aborted) sequence holds: its KV and its draft state."""
         self.scheduler.finish(seq)
         if self.drafter is not None:
-            self.drafter.release(seq.seq_id)
+            self.drafter.finish(seq)
 
     WARM_UP_REQUEST_ID = "__warm_up__"
 

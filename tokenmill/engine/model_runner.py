@@ -39,7 +39,11 @@ from tokenmill.models.base import CausalLM
 
 DECODE_ROWS_MAX = 8
 """Steps whose sequences all have at most this many new tokens run as one decode row per token
-(ModelRunner._metadata)."""
+(ModelRunner._metadata)..."""
+DECODE_ROWS_EXTRA_BYTES = 64 << 20
+"""... unless the rows would read more than this many KV bytes beyond what one query block per
+sequence reads (each row reads its sequence's keys and values again): about what the one-call
+decode path saves (3 ms of interpreter time) at DRAM speed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,10 @@ class ModelRunner:
         """Longest whole sequence :meth:`hidden` takes: 0 unless made by :meth:`for_sequences`."""
         self._table: list[int] = []
         self._num_groups = max(cache.layer_groups) + 1
+        # storage[g]: [keys and values, layers of the group, blocks, block_size, kv_heads, head_dim]
+        self._kv_token_bytes = sum(t.shape[0] * t.shape[1] * t[0, 0, 0, 0].numel() * t.element_size()
+                                   for t in cache.storage)
+        """Bytes of keys and values one token holds, all layers (per-row re-reads in _metadata)."""
 
     @classmethod
     def for_sequences(cls, model: CausalLM, max_len: int, block_size: int = CacheConfig.block_size,
@@ -122,7 +130,9 @@ class ModelRunner:
         of its own blocks (causal, its new keys written before the layer attends). That is the
         attention a one-token decode at that position computes, by the same kernel, and the step
         takes the one-call decode path (fused_decode) where it applies."""
-        short = max(len(item.token_ids) for item in inputs) <= DECODE_ROWS_MAX
+        short = max(len(item.token_ids) for item in inputs) <= DECODE_ROWS_MAX and self._kv_token_bytes * sum(
+            (len(item.token_ids) - 1) * (item.num_computed + len(item.token_ids)) for item in inputs) \
+            <= DECODE_ROWS_EXTRA_BYTES
         query_lens, context_lens, tables = [], [], []
         for item in inputs:
             n = len(item.token_ids)

@@ -1,10 +1,11 @@
 """What a step costs and what a draft token is worth, measured while the engine runs.
 
 :class:`CostCurve` learns seconds as a function of a size (a step's batched tokens; a draft model's
-batch) from the engine's own steps: an exponential moving average per size bucket (exact up to 16,
-then 2^(1/4) apart), linear between measured buckets, flat outside them. Flat above the largest
-measured size is optimistic on purpose: a size never tried looks as cheap as the largest tried,
-so it is tried once and measured (the first step at 64 streams with drafts tells the truth).
+batch) from the engine's own steps: the median of the recent measurements per size bucket (exact
+up to 16, then 2^(1/4) apart; a bucket counts from its second measurement), linear between
+measured buckets, flat outside them. Flat above the largest measured size is optimistic on
+purpose: a size never tried looks as cheap as the largest tried, so it is tried and measured
+(the first steps at 64 streams with drafts tell the truth).
 
 :class:`Acceptance` estimates the probability that a drafted token is kept, per sequence, from its
 verifications: kept tokens are successes, the first refused one a failure (positions after it were
@@ -16,9 +17,15 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 
 _DECAY = 0.8
-"""Weight of the history against the newest observation."""
+"""Acceptance: weight of the history against the newest verification."""
+MEDIAN_OF = 5
+"""A size's cost is the median of its last this many measurements..."""
+MIN_SAMPLES = 2
+"""... once it has this many (a first step at a new size can pay one-off costs: a kernel's first
+call at a new shape took 1.2 s where the next took 7 ms)."""
 
 
 def _bucket(size: int) -> int:
@@ -27,7 +34,8 @@ def _bucket(size: int) -> int:
 
 class CostCurve:
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
+        self._recent: dict[int, list[float]] = {}
+        """Bucket -> its last MEDIAN_OF measurements (seconds)."""
         self._sizes: dict[int, int] = {}
         """Bucket -> the last size measured in it (where its value sits on the size axis)."""
 
@@ -35,19 +43,21 @@ class CostCurve:
         if size <= 0 or not seconds > 0:
             return
         b = _bucket(size)
-        old = self._seconds.get(b)
-        self._seconds[b] = seconds if old is None else _DECAY * old + (1 - _DECAY) * seconds
+        recent = self._recent.setdefault(b, [])
+        recent.append(seconds)
+        del recent[:-MEDIAN_OF]
         self._sizes[b] = size
 
     @property
     def known(self) -> bool:
-        return bool(self._seconds)
+        return any(len(v) >= MIN_SAMPLES for v in self._recent.values())
 
     def __call__(self, size: int) -> float:
         """Estimated seconds at ``size`` (0 before any measurement)."""
-        if not self._seconds:
+        points = sorted((self._sizes[b], statistics.median(v)) for b, v in self._recent.items()
+                        if len(v) >= MIN_SAMPLES)
+        if not points:
             return 0.0
-        points = sorted((self._sizes[b], s) for b, s in self._seconds.items())
         xs = [x for x, _ in points]
         i = bisect.bisect_left(xs, size)
         if i < len(xs) and xs[i] == size:

@@ -67,7 +67,8 @@ class DraftModelProposer:
         self.name, self.model, self.sampler, self.observe = name, model, sampler, observe
         self.cache = PagedKVCache([num_blocks] * len(windows), block_size, groups, cfg.num_kv_heads, cfg.head_dim,
                                   weight.dtype, weight.device)
-        self.kv = KVCacheCoordinator([KVCacheManager(num_blocks, block_size, False, w) for w in windows])
+        # prefix caching as the target's: a prompt the target serves from its cache is in the draft's too
+        self.kv = KVCacheCoordinator([KVCacheManager(num_blocks, block_size, True, w) for w in windows])
         self.runner = ModelRunner(model, self.cache, weight.device)
         self.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=sampler.generator)))
         self._fed: dict[str, _Fed] = {}
@@ -93,7 +94,11 @@ class DraftModelProposer:
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         while active:
             start = time.perf_counter()
+            first_pass = not any(guesses[i] for i in active)
             logits = self._run([seqs[i] for i in active], inputs)
+            if first_pass:
+                for i in active:
+                    self._cache_fed(seqs[i])
             self._guess([seqs[i] for i in active], [guesses[i] for i in active], [probs[i] for i in active], logits)
             if self.observe is not None:
                 self.observe(len(active), time.perf_counter() - start)
@@ -134,15 +139,22 @@ class DraftModelProposer:
         the first pass's input; None (and nothing held) when the draft's pool is full."""
         ids = seq.all_token_ids
         fed = self._fed.get(seq.seq_id)
-        keep = 0
         if fed is not None:
             keep = min(self._kept_prefix(seq, fed), len(ids) - 1)  # at least one token to feed
             self.kv.truncate(seq.seq_id, keep)
+        else:  # first time: start on the draft's own cached prefix
+            keep = self.kv.get_computed_blocks(seq.seq_id, ids, seq.cache_salt)
         if not self.kv.allocate_slots(seq.seq_id, ids, len(ids) - keep):
             self.release(seq.seq_id)
             return None
         self._fed[seq.seq_id] = _Fed(len(ids), [])
         return self._first_input(seq, keep)
+
+    def _cache_fed(self, seq: Sequence) -> None:
+        """After pass 0: the full blocks of the sequence's own tokens but its last go into the draft's
+        prefix cache (never a guess: those sit past them; never the last token, which a catch-up may
+        feed again)."""
+        self.kv.cache_blocks(seq.seq_id, seq.all_token_ids, self._fed[seq.seq_id].num_tokens - 1)
 
     def _feed(self, seq: Sequence, guess: int) -> SequenceInput | None:
         """The next pass's input of a sequence still drafting: its newest guess; None when the

@@ -162,6 +162,14 @@ class Drafter:
             c.accepted_per_position[j] += 1
         self.acceptance.observe(seq_id, num_drafted, num_kept)
 
+    def finish(self, seq: Sequence) -> None:
+        """A sequence ended (finished or aborted): a proposer that learns from outputs sees it, then
+        its draft state goes."""
+        remember = getattr(self.proposer, "finished", None)
+        if remember is not None:
+            remember(seq)
+        self.release(seq.seq_id)
+
     def release(self, seq_id: str) -> None:
         """The sequence left the running set (finished, aborted, preempted): drop its draft state."""
         self._drafting.discard(seq_id)

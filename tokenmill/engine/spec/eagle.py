@@ -141,17 +141,17 @@ class EagleProposer(DraftModelProposer):
         self.draft = EagleDraft(head, target)
         super().__init__(self.draft, num_blocks, block_size, sampler, observe, name)
         self.hidden_size = target.config.hidden_size
-        self._target_hidden: dict[str, tuple[int, torch.Tensor]] = {}
-        """seq_id -> (first position, the target's hidden states from it on)."""
+        self._target_hidden: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        """seq_id -> chunks (first position, the target's hidden states from it on), in order."""
         self._last_g: dict[str, torch.Tensor] = {}
 
     def observe_hidden(self, seq_id: str, start: int, hidden: torch.Tensor) -> None:
-        """The target's hidden states of positions ``start ..`` of a sequence, as computed and kept."""
-        held = self._target_hidden.get(seq_id)
-        if held is not None and held[0] + len(held[1]) == start:
-            self._target_hidden[seq_id] = (held[0], torch.cat([held[1], hidden]))
-        else:
-            self._target_hidden[seq_id] = (start, hidden)
+        """The target's hidden states of positions ``start ..`` of a sequence, as computed and kept
+        (held as chunks: joined only when the head catches up)."""
+        chunks = self._target_hidden.setdefault(seq_id, [])
+        if chunks and chunks[-1][0] + len(chunks[-1][1]) != start:  # not contiguous (recomputed): start over
+            chunks.clear()
+        chunks.append((start, hidden))
 
     def release(self, seq_id: str) -> None:
         super().release(seq_id)
@@ -159,17 +159,18 @@ class EagleProposer(DraftModelProposer):
 
     def _features(self, seq_id: str, first: int, last: int) -> torch.Tensor:
         """f_{first - 1} .. f_{last - 1}: the target's hidden states before positions first..last
-        (zeros where the target never computed one: position 0, prompt tokens served from the prefix cache)."""
+        (zeros where the target never computed one: position 0, prompt tokens served from the prefix cache).
+        Only what a later catch-up can need is kept: from position ``last`` on."""
         out = torch.zeros(last - first + 1, self.hidden_size, dtype=self.draft.embed.weight.dtype)
-        start, rows = self._target_hidden.get(seq_id, (0, out[:0]))
-        for p in range(max(first - 1, start), min(last, start + len(rows))):
-            out[p - first + 1] = rows[p - start]
-        # keep only what the next catch-up can need: from the last position fed on
-        keep_from = last
-        if start + len(rows) > keep_from:
-            self._target_hidden[seq_id] = (max(start, keep_from), rows[max(0, keep_from - start):])
-        else:
-            self._target_hidden.pop(seq_id, None)
+        kept = []
+        for start, rows in self._target_hidden.pop(seq_id, []):
+            lo, hi = max(first - 1, start), min(last, start + len(rows))
+            if lo < hi:
+                out[lo - first + 1:hi - first + 1] = rows[lo - start:hi - start]
+            if start + len(rows) > last:
+                kept.append((max(start, last), rows[max(0, last - start):]))
+        if kept:
+            self._target_hidden[seq_id] = kept
         return out
 
     def _kept_prefix(self, seq: Sequence, fed) -> int:

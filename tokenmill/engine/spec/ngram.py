@@ -1,15 +1,19 @@
 """Prompt lookup (n-gram) drafting: find the newest n-gram of a sequence earlier in it, propose what
-followed there.
+followed there; failing that, in the recent outputs of the same tenant.
 
 For n from ``max_n`` down to ``min_n``: take the sequence's last n tokens, find their latest earlier
 occurrence (prompt or output), and propose the up to k tokens that came after it. Input-grounded
 work (summaries, edits, code changes, extraction) copies long runs of its prompt, so those guesses
-are often right; open-ended text rarely repeats and gets no draft. The search is vectorized
-(numpy over the token array) so a step's lookups cost microseconds, not a Python loop per token.
+are often right; open-ended text rarely repeats and gets no draft. When the sequence itself has no
+match, the last ``RECENT_PER_TENANT`` finished sequences of the same tenant (the same prefix-cache
+salt: one tenant's text never drafts for another) are searched the same way: agents and editing
+loops send the same text again and again. The search is vectorized (numpy over the token array)
+so a step's lookups cost microseconds, not a Python loop per token.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,6 +21,11 @@ import numpy as np
 from tokenmill.engine.request import Sequence as EngineSequence
 from tokenmill.engine.spec.proposer import Draft
 from tokenmill.errors import InvalidParameterError
+
+
+RECENT_PER_TENANT = 8
+RECENT_TOKENS = 2048
+RECENT_TENANTS = 256
 
 
 class NgramProposer:
@@ -28,12 +37,43 @@ class NgramProposer:
         if not 1 <= min_n <= max_n:
             raise InvalidParameterError(f"ngram proposer needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self._recent: OrderedDict[str | None, deque[np.ndarray]] = OrderedDict()
+        """Tenant (prefix-cache salt) -> its last finished sequences' tokens; least recent tenant first."""
 
     def propose(self, seqs: list[EngineSequence], num_tokens: list[int]) -> list[Draft]:
-        return [Draft(self.lookup(seq.all_token_ids, k)) for seq, k in zip(seqs, num_tokens)]
+        out = []
+        for seq, k in zip(seqs, num_tokens):
+            draft = self.lookup(seq.all_token_ids, k)
+            if not draft and seq.cache_salt in self._recent:
+                draft = self.lookup_in(self._recent[seq.cache_salt], seq.all_token_ids, k)
+            out.append(Draft(draft))
+        return out
 
     def release(self, seq_id: str) -> None:
         pass
+
+    def finished(self, seq: EngineSequence) -> None:
+        """Keep a finished sequence's last RECENT_TOKENS tokens for its tenant's later lookups."""
+        if not seq.output_token_ids:
+            return
+        recent = self._recent.pop(seq.cache_salt, None) or deque(maxlen=RECENT_PER_TENANT)
+        recent.append(np.asarray(seq.all_token_ids[-RECENT_TOKENS:], dtype=np.int64))
+        self._recent[seq.cache_salt] = recent  # most recent tenant last
+        while len(self._recent) > RECENT_TENANTS:
+            self._recent.popitem(last=False)
+
+    def lookup_in(self, texts: Sequence[np.ndarray], token_ids: Sequence[int], k: int) -> list[int]:
+        """What followed the longest matching n-gram (the sequence's last n tokens) in ``texts``,
+        newest text first: up to k tokens."""
+        if k <= 0 or len(token_ids) < self.min_n:
+            return []
+        tail = np.asarray(token_ids[-self.max_n:], dtype=np.int64)
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            for text in reversed(texts):
+                start = _latest_occurrence(text, tail[len(tail) - n:])
+                if start is not None and start + n < len(text):
+                    return text[start + n:start + n + k].tolist()
+        return []
 
     def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         """What followed the latest earlier occurrence of the longest matching n-gram: up to k tokens."""
@@ -59,4 +99,17 @@ def _latest_match(ids: np.ndarray, n: int) -> int | None:
         if hits.size == 0:
             return None
         hits = hits[ids[hits + j] == pattern[j]]
+    return int(hits[-1]) if hits.size else None
+
+
+def _latest_occurrence(text: np.ndarray, pattern: np.ndarray) -> int | None:
+    """Start of the latest occurrence of ``pattern`` in ``text`` that has a token after it, or None."""
+    n = len(pattern)
+    if len(text) <= n:
+        return None
+    hits = np.flatnonzero(text[:len(text) - n] == pattern[0])
+    for j in range(1, n):
+        if hits.size == 0:
+            return None
+        hits = hits[text[hits + j] == pattern[j]]
     return int(hits[-1]) if hits.size else None

@@ -14,6 +14,19 @@ from tokenmill.config import LoadConfig
 from tokenmill.options import add_option_group, option_fields
 
 
+HELP = {
+    "prompts": "training sequences the model generates (one answer per prompt)",
+    "max_tokens": "longest answer per prompt", "temperature": "sampling temperature of the answers",
+    "passage_chars": "longest corpus passage in a prompt, in characters",
+    "draft_vocab": "output rows of the head: the most frequent tokens of the training text",
+    "steps": "optimizer steps", "batch_size": "windows per micro-batch", "seq_len": "tokens per window",
+    "grad_accum": "micro-batches per optimizer step", "lr": "peak AdamW learning rate",
+    "warmup_steps": "steps of linear warm-up", "cls_weight": "weight of the distribution loss beside the "
+    "hidden-state regression", "unroll": "drafting steps trained (step j reads the head's own step j-1 features)",
+    "checkpoint_every": "write a checkpoint every this many steps", "mixed_precision": "bfloat16 autocast",
+    "seed": "seed of the prompts, answers and window order"}
+
+
 def add_spec_parser(sub) -> None:
     from tokenmill.spec_heads import HeadTrainingConfig
 
@@ -26,10 +39,11 @@ def add_spec_parser(sub) -> None:
     for f in fields(HeadTrainingConfig):
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
+        text = f"{HELP.get(f.name, '')} (default: {value})".strip()
         if isinstance(value, bool):
-            train.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            train.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)
         else:
-            train.add_argument(flag, type=type(value), default=value, help=f"(default: {value})")
+            train.add_argument(flag, type=type(value), default=value, help=text)
     add_option_group(train, LoadConfig, exclude=("model",))
 
 

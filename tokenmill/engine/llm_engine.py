@@ -209,8 +209,15 @@ class LLMEngine:
         spec_before = self._spec_totals()
         if plan.scheduled:
             self._run(plan.scheduled, changed)
-        if self.drafter is not None and plan.scheduled:
-            self.drafter.observe_step(plan.num_batched_tokens, time.perf_counter() - run_start)
+        if self.drafter is not None and plan.scheduled and all(
+                s.num_new_tokens == 1 + s.num_draft for s in plan.scheduled):
+            # decode-only steps (each row sampled, so each costs logits too: a 262k vocabulary makes
+            # a row as dear as the rest of the model); a prompt chunk's tokens need none and would
+            # make draft tokens look cheap
+            num_decoding = len(plan.scheduled)
+            produced = num_decoding + self._spec_totals()[1] - spec_before[1]
+            self.drafter.observe_step(plan.num_batched_tokens, time.perf_counter() - run_start
+                                      + self.drafter.last_draft_seconds, num_decoding, produced)
         running = self.scheduler.running
         drafted, kept = (now - before for now, before in zip(self._spec_totals(), spec_before))
         self.stats.append(StepStats(

@@ -19,7 +19,9 @@ of worth while they raise tokens / second; under load a step's time grows with e
 the drafts shrink to none. A sequence left without a draft drifts back toward the pooled
 acceptance rate, and every ``PROBE_EVERY`` steps each eligible sequence drafts one token whatever
 the estimates say: a rate or a cost measured on a bad moment is measured again, at the price of
-one cheap draft token per sequence every ``PROBE_EVERY`` steps.
+one cheap draft token per sequence every ``PROBE_EVERY`` steps. Last, the realised check: per
+decoding-batch size, the tokens per second of steps with drafts and of steps without are tracked;
+where drafting steps do worse, whatever the model predicted, only probe steps draft.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from tokenmill.engine.spec.cost import Acceptance, CostCurve
 from tokenmill.engine.spec.proposer import Proposer
 
 PROBE_EVERY = 128
+
+
+def _batch_bucket(n: int) -> int:
+    return n.bit_length()  # 1, 2-3, 4-7, 8-15, ...
 
 
 @dataclass
@@ -62,6 +68,8 @@ class Drafter:
         self._drafting: set[str] = set()
         self._steps = 0
         self._draft_seconds = 0.0
+        self._realised: dict[int, list[float | None]] = {}
+        """Decoding-batch bucket -> [tokens/s of steps without drafts, of steps with drafts] (EMA)."""
 
     # ---- before the step ------------------------------------------------------------------------
     @staticmethod
@@ -77,10 +85,9 @@ class Drafter:
         for seq_id in self._drafting - alive:
             self.release(seq_id)
         seqs, caps = [], []
-        base_tokens = decoding = 0
+        decoding = 0
         for seq in running:
             seq.draft_token_ids, seq.draft_probs = [], None
-            base_tokens += min(seq.num_tokens - seq.num_computed_tokens, budget)
             decoding += seq.num_tokens - seq.num_computed_tokens == 1
             if not self.eligible(seq):
                 continue
@@ -98,9 +105,9 @@ class Drafter:
         start = time.perf_counter()
         if self.proposer.cheap:  # look up first, then size what was found
             drafts = self.proposer.propose(seqs, caps)
-            sizes = self._sizes(seqs, [len(d.token_ids) for d in drafts], min(base_tokens, budget), decoding)
+            sizes = self._sizes(seqs, [len(d.token_ids) for d in drafts], min(decoding, budget), decoding)
         else:  # size first: the model drafts only what will be verified
-            sizes = self._sizes(seqs, caps, min(base_tokens, budget), decoding)
+            sizes = self._sizes(seqs, caps, min(decoding, budget), decoding)
             drafts = self.proposer.propose(seqs, sizes)
         for seq, draft, n in zip(seqs, drafts, sizes):
             if n > 0:
@@ -116,6 +123,8 @@ class Drafter:
             return caps
         if self._steps % PROBE_EVERY == 0:
             return [min(1, c) for c in caps]
+        if self._drafting_loses(base_worth):
+            return [0] * len(caps)
         rates = [self.acceptance.rate(seq.seq_id) for seq in seqs]
         # every candidate draft token, most valuable first: (-worth, sequence index, position)
         heap = [(-rates[i], i, 1) for i in range(len(seqs)) if caps[i] > 0 and rates[i] > 0]
@@ -144,9 +153,24 @@ class Drafter:
         return sum(self.draft_cost(sum(n > i for n in sizes)) for i in range(max(sizes, default=0)))
 
     # ---- after the step -------------------------------------------------------------------------
-    def observe_step(self, num_batched_tokens: int, seconds: float) -> None:
-        """The step's batched tokens and the time its forward pass, sampling and verification took."""
-        self.step_cost.observe(num_batched_tokens, seconds)
+    def observe_step(self, num_batched_tokens: int, seconds: float, num_decoding: int = 0,
+                     produced: int = 0) -> None:
+        """A decode-only step: its batched tokens (every one a sampled row: decodes and drafts), the
+        time drafting, the forward pass, sampling and verification took, and (for the realised
+        check) how many sequences decoded and how many tokens they got."""
+        self.step_cost.observe(num_batched_tokens, seconds - self._draft_seconds)
+        if num_decoding and seconds > 0:
+            drafted = num_batched_tokens > num_decoding
+            rates = self._realised.setdefault(_batch_bucket(num_decoding), [None, None])
+            rate = produced / seconds
+            old = rates[drafted]
+            rates[drafted] = rate if old is None else 0.8 * old + 0.2 * rate
+
+    def _drafting_loses(self, num_decoding: int) -> bool:
+        """Realised tokens per second at this batch size: steps with drafts below steps without
+        (whatever the model predicted). Then only probe steps draft."""
+        plain, drafting = self._realised.get(_batch_bucket(num_decoding), (None, None))
+        return plain is not None and drafting is not None and drafting < plain
 
     @property
     def last_draft_seconds(self) -> float:

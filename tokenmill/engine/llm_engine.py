@@ -236,19 +236,10 @@ class LLMEngine:
             inputs.append(SequenceInput(seq.tokens_with_draft()[start:start + item.num_new_tokens], start,
                                         self.kv.block_table(seq.seq_id), item.completes,
                                         self._wants_prompt_logprobs(item), 1 + item.num_draft))
-        proposer = self.drafter.proposer if self.drafter is not None else None
-        hidden_to = proposer if getattr(proposer, "wants_hidden", False) else None
-        result = self.runner.execute(inputs, with_hidden=hidden_to is not None)
-        if hidden_to is not None:  # a head drafting from the target's hidden states gets those kept
-            offset = 0
-            for item in scheduled:
-                rows = result.hidden[offset:offset + item.num_new_tokens]
-                offset += item.num_new_tokens
-                kept = rows[:len(rows) - item.num_draft]  # a draft's rows: after verification (_verify)
-                if len(kept):
-                    hidden_to.observe_hidden(item.seq.seq_id, item.seq.num_computed_tokens, kept)
-                if item.num_draft:
-                    item.draft_hidden = rows[len(rows) - item.num_draft:]
+        wants_hidden = self.drafter is not None and self.drafter.wants_hidden
+        result = self.runner.execute(inputs, with_hidden=wants_hidden)
+        if wants_hidden:
+            self.drafter.observe_hidden(scheduled, result.hidden)
         for i in result.all_logits:
             self._add_prompt_logprobs(scheduled[i], result.all_logits[i])
         plain_rows, completing, verifying, row = [], [], [], 0
@@ -288,9 +279,7 @@ class LLMEngine:
         for (item, _), (_, draft, _), outcome in zip(verifying, drafts, verify(self.sampler, logits, drafts)):
             seq, kept = item.seq, outcome.num_accepted
             seq.draft_token_ids, seq.draft_probs = [], None
-            self.drafter.accepted(seq.seq_id, len(draft), kept)
-            if item.draft_hidden is not None and kept:  # the target's hidden states of the kept draft tokens
-                self.drafter.proposer.observe_hidden(seq.seq_id, seq.num_computed_tokens + 1, item.draft_hidden[:kept])
+            self.drafter.accepted(item, len(draft), kept)
             seq.num_computed_tokens += 1 + kept  # its last token and the kept draft; the next token is new
             self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
             self.kv.cache_blocks(seq.seq_id, seq.all_token_ids + draft[:kept], seq.num_computed_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.sampler import Sampler
@@ -31,28 +32,24 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, draft: LoadedM
         if not 1 <= layers < total:
             raise InvalidParameterError(f"layer_skip_layers must be in 1..{total - 1} for a {total}-layer model, "
                                         f"got {layers}")
-        model, name = layer_skip_model(target.model, list(range(layers))), f"layerskip({layers})"
+        make, name = partial(DraftModelProposer, layer_skip_model(target.model, list(range(layers)))), \
+            f"layerskip({layers})"
     elif method == "eagle":
         from tokenmill.engine.spec.eagle import EagleHead, EagleProposer
 
         head = EagleHead.load(config.draft_model, target.model)
-        num_blocks = -(-num_tokens // block_size) + 1
-        draft_cost = CostCurve()
-        proposer = EagleProposer(head, target.model, num_blocks, block_size, sampler, draft_cost.observe,
-                                 f"eagle({config.draft_model})")
-        logger.info("speculative decoding: EAGLE head %s (draft vocabulary %d), up to %d tokens a step",
-                    config.draft_model, len(head.vocab), config.num_speculative_tokens)
-        return Drafter(config, proposer, draft_cost)
+        name = f"eagle({config.draft_model}, draft vocabulary {len(head.vocab)})"
+        make = partial(EagleProposer, head, target.model)
     elif method == "draft":
         if draft is None:
             raise InvalidParameterError("speculative_method draft: the draft model was not loaded")
         check_same_tokenizer(target.tokenizer, draft.tokenizer, config.draft_model)
-        model, name = draft.model, f"draft({draft.source.name})"
+        make, name = partial(DraftModelProposer, draft.model), f"draft({draft.source.name})"
     else:
         raise ValueError(f"no proposer for {method!r}")  # SpeculativeConfig checked the name
     num_blocks = -(-num_tokens // block_size) + 1
     draft_cost = CostCurve()
-    proposer = DraftModelProposer(model, num_blocks, block_size, sampler, draft_cost.observe, name)
+    proposer = make(num_blocks, block_size, sampler, draft_cost.observe, name)
     logger.info("speculative decoding: %s, up to %d tokens a step, its own KV of %d blocks", name,
                 config.num_speculative_tokens, num_blocks)
     return Drafter(config, proposer, draft_cost)

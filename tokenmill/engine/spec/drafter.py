@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.request import Sequence, SequenceStatus
 from tokenmill.engine.spec.cost import Acceptance, CostCurve
@@ -176,8 +178,32 @@ class Drafter:
     def last_draft_seconds(self) -> float:
         return self._draft_seconds
 
-    def accepted(self, seq_id: str, num_drafted: int, num_kept: int) -> None:
-        """Count one verification of ``num_drafted`` tokens that kept ``num_kept``."""
+    @property
+    def wants_hidden(self) -> bool:
+        """The proposer drafts from the target's hidden states (an EAGLE head)."""
+        return getattr(self.proposer, "wants_hidden", False)
+
+    def observe_hidden(self, scheduled: list, hidden: torch.Tensor) -> None:
+        """The step's hidden states (``[new tokens, H]``, in ``scheduled`` order) for a proposer that
+        wants them: each sequence's rows up to its draft now, the draft's rows once verified
+        (:meth:`accepted`) and only those kept."""
+        offset = 0
+        for item in scheduled:
+            rows = hidden[offset:offset + item.num_new_tokens]
+            offset += item.num_new_tokens
+            own = rows[:len(rows) - item.num_draft]
+            if len(own):
+                self.proposer.observe_hidden(item.seq.seq_id, item.seq.num_computed_tokens, own)
+            if item.num_draft:
+                item.draft_hidden = rows[len(rows) - item.num_draft:]
+
+    def accepted(self, item, num_drafted: int, num_kept: int) -> None:
+        """Count one verification of ``num_drafted`` tokens of ``item`` (a ScheduledSequence, before its
+        ``num_computed_tokens`` moves) that kept ``num_kept``; the kept draft rows' hidden states go to
+        a proposer that wants them."""
+        seq_id = item.seq.seq_id
+        if item.draft_hidden is not None and num_kept:
+            self.proposer.observe_hidden(seq_id, item.seq.num_computed_tokens + 1, item.draft_hidden[:num_kept])
         c = self.counters
         c.num_drafts += 1
         c.num_draft_tokens += num_drafted

@@ -30,6 +30,8 @@ LAYERS: list[set[str]] = [
     {"tokenmill.engine"},                          # scheduler, KV manager, runner, sampler, LLMEngine
     {"tokenmill.eval"},                            # perplexity (over the engine's runner)
     {"tokenmill.quantization"},                    # quantized weights, methods, checkpoints
+    {"tokenmill.pruning"},                         # sparse and structured pruning, the sparse kernel's layer
+    {"tokenmill.distillation"},                    # teacher -> student training (KD, acceptance, QAD)
     {"tokenmill.loader"},                          # the facade: any model argument to a loaded model
     {"tokenmill.llm"},                             # the offline API
     {"tokenmill.spec_heads"},                      # training speculative heads on the model's own text

@@ -15,6 +15,7 @@ from tokenmill.engine import ENGINE_OPTIONS, add_engine_options
 from tokenmill.errors import TokenmillError
 from tokenmill.options import add_option_group
 from tokenmill.commands.eval import add_eval_parser, cmd_eval
+from tokenmill.commands.prune import add_prune_parser, cmd_prune
 from tokenmill.commands.qat import add_qat_parser, cmd_qat
 from tokenmill.commands.spec import add_spec_parser, cmd_spec
 from tokenmill.commands.quantize import add_quantize_parser, cmd_quantize
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     add_quantize_parser(sub)
     add_qat_parser(sub)
+    add_prune_parser(sub)
     add_spec_parser(sub)
     add_eval_parser(sub)
     return parser
@@ -139,7 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve,
-            "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat, "spec": cmd_spec}
+            "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat, "prune": cmd_prune, "spec": cmd_spec}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

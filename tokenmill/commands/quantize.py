@@ -142,6 +142,10 @@ class QualityCheck:
         self.ids = read_tokens(loaded.tokenizer, text, args.quality_tokens)
         self.before = self._perplexity(loaded.model)
 
+    def measure(self, model) -> float:
+        """Perplexity of ``model`` on the held-out tokens (what ``before`` holds for the source)."""
+        return self._perplexity(model)
+
     def _perplexity(self, model) -> float:
         from tokenmill.eval.perplexity import perplexity
 

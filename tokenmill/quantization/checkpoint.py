@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -28,9 +27,9 @@ from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelFormatError
 from tokenmill.loading.checkpoint import Checkpoint
 from tokenmill.loading.hf_config import hf_model_config
-from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.models.base import CausalLM
 from tokenmill.models.builder import LoadedModel, build_model
+from tokenmill.models.export import DTYPE_NAMES, WEIGHTS_FILE, hf_config_dict, save_tokenizer
 from tokenmill.quantization.targets import quantization_targets, set_module
 from tokenmill.quantization.config import (
     Int4WeightOnlyConfig,
@@ -41,8 +40,6 @@ from tokenmill.quantization.config import (
 )
 from tokenmill.quantization.linear import Int4Linear, Int8Linear, QuantizedLinear, W8A8Linear
 
-WEIGHTS_FILE = "model.safetensors"
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def save_quantized(loaded: LoadedModel, out_dir: str | Path) -> Path:
@@ -122,54 +119,3 @@ def _read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _compute_dtype(model: CausalLM) -> torch.dtype:
     return model.embed.weight.dtype
-
-
-# --------------------------------------------------------------------------- config.json and tokenizer
-
-def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """An HF ``config.json`` that :func:`~tokenmill.loading.hf_config.hf_model_config` reads back
-    as ``cfg`` (checked: a config it cannot express is an error, not a silent change)."""
-    out: dict[str, Any] = {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
-        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.hidden_act],
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                                   "high_freq_factor": s.high_freq_factor,
-                                   "original_max_position_embeddings": s.original_max_position_embeddings}
-    if cfg.architecture == "gemma3":
-        out.update(model_type="gemma3_text", hidden_activation=out.pop("hidden_act"),
-                   rope_local_base_freq=cfg.rope_local_theta, sliding_window=cfg.sliding_window,
-                   query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-                   layer_types=[f"{cfg.layer_type(i)}_attention" for i in range(cfg.num_layers)])
-    elif cfg.qk_norm:
-        out["model_type"] = "qwen3"
-    elif cfg.sliding_window:
-        out.update(model_type="mistral", sliding_window=cfg.sliding_window)
-    else:
-        out["model_type"] = "qwen2" if cfg.attention_bias else "llama"
-    if hf_model_config(out) != cfg:
-        raise ModelFormatError(f"cannot express this model's configuration as an HF config.json: {cfg}")
-    return out
-
-
-def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
-    """tokenizer.json (the exact pipeline in use, GGUF-derived ones included), the special
-    tokens in tokenizer_config.json, and the chat template in chat_template.jinja."""
-    backend = tokenizer._backend  # the tokenizers.Tokenizer; Tokenizer has no public save yet
-    backend.save(str(out / "tokenizer.json"))
-    names = {"bos_token": tokenizer.bos_token_id, "eos_token": tokenizer.eos_token_id,
-             "pad_token": tokenizer.pad_token_id}
-    special = {name: backend.id_to_token(i) for name, i in names.items() if i is not None}
-    (out / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
-    extra = sorted(tokenizer.stop_token_ids - {tokenizer.eos_token_id})
-    if extra:  # further end-of-generation ids, read back as generation_config's eos_token_id list
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos + extra}))
-    if tokenizer.chat_template is not None:
-        (out / "chat_template.jinja").write_text(tokenizer.chat_template)

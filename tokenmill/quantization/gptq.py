@@ -180,12 +180,12 @@ def quantize_gptq(model: CausalLM, config: Int4GPTQConfig, targets: list[Target]
         linears = {n: m for n, m in block.named_modules(prefix=f"layers.{index}") if n in by_name}
         hooks = HessianHooks(linears)
         try:
-            _run_block(model, runner, index, hidden)
+            run_block(model, runner, index, hidden)
         finally:
             hooks.remove()
         for name in linears:
             set_module(model, name, gptq_linear(by_name[name], hooks.hessians[name], config, ctx.dtype))
-        hidden = _run_block(model, runner, index, hidden)
+        hidden = run_block(model, runner, index, hidden)
     if "lm_head" in by_name:
         head = by_name["lm_head"]
         if config.lm_head_int8:
@@ -197,7 +197,7 @@ def quantize_gptq(model: CausalLM, config: Int4GPTQConfig, targets: list[Target]
 
 
 @torch.inference_mode()
-def _run_block(model: CausalLM, runner: ModelRunner, index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+def run_block(model: CausalLM, runner: ModelRunner, index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
     """Block ``index`` over each sequence's hidden states, as CausalLM.forward runs it."""
     out = []
     sliding = model.config.layer_type(index) == "sliding" and model.config.rope_local_theta

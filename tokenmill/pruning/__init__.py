@@ -1,0 +1,1 @@
+"""Pruning: smaller or sparser models from the ones tokenmill serves."""

@@ -14,6 +14,7 @@ from tokenmill.config import LoadConfig
 from tokenmill.engine import ENGINE_OPTIONS, add_engine_options
 from tokenmill.errors import TokenmillError
 from tokenmill.options import add_option_group
+from tokenmill.commands.distill import add_distill_parser, cmd_distill
 from tokenmill.commands.eval import add_eval_parser, cmd_eval
 from tokenmill.commands.prune import add_prune_parser, cmd_prune
 from tokenmill.commands.qat import add_qat_parser, cmd_qat
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantize_parser(sub)
     add_qat_parser(sub)
     add_prune_parser(sub)
+    add_distill_parser(sub)
     add_spec_parser(sub)
     add_eval_parser(sub)
     return parser
@@ -141,7 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve,
-            "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat, "prune": cmd_prune, "spec": cmd_spec}
+            "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat, "prune": cmd_prune, "distill": cmd_distill,
+            "spec": cmd_spec}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

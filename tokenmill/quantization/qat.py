@@ -307,15 +307,16 @@ def training_ids(tokenizer: Any, cache_dir: Path | None = None) -> list[int]:
     return tokenizer.encode(text[begin:end], add_special_tokens=False)
 
 
-def sample_batches(ids: list[int], config: QATConfig, device: torch.device) -> Iterator[torch.Tensor]:
-    """``config.steps`` batches [batch_size, seq_len] of windows at seeded random offsets of ``ids``."""
-    if len(ids) < config.seq_len:
-        raise InvalidParameterError(f"QAT needs at least seq_len = {config.seq_len} training tokens, got {len(ids)}")
+def sample_batches(ids: list[int], count: int, batch_size: int, seq_len: int, seed: int,
+                   device: torch.device) -> Iterator[torch.Tensor]:
+    """``count`` batches [batch_size, seq_len] of windows at seeded random offsets of ``ids``."""
+    if len(ids) < seq_len:
+        raise InvalidParameterError(f"training needs at least seq_len = {seq_len} tokens, got {len(ids)}")
     data = torch.tensor(ids, dtype=torch.long)
-    g = torch.Generator().manual_seed(config.seed)
-    span = torch.arange(config.seq_len)
-    for _ in range(config.steps):
-        starts = torch.randint(0, len(ids) - config.seq_len + 1, (config.batch_size,), generator=g)
+    g = torch.Generator().manual_seed(seed)
+    span = torch.arange(seq_len)
+    for _ in range(count):
+        starts = torch.randint(0, len(ids) - seq_len + 1, (batch_size,), generator=g)
         yield data[starts[:, None] + span].to(device)
 
 
@@ -379,7 +380,9 @@ def qat_finetune(model: CausalLM, data: Any, config: QATConfig, teacher: CausalL
                         weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
                         mixed_precision=config.mixed_precision)
     trainer = Trainer({"model": model}, train, desc="QAT", progress=progress)
-    values = trainer.fit(sample_batches(ids, config, model.embed.weight.device), loss_fn).values
+    batches = sample_batches(ids, config.steps, config.batch_size, config.seq_len, config.seed,
+                             model.embed.weight.device)
+    values = trainer.fit(batches, loss_fn).values
     model.requires_grad_(False)
     return QATLog(values.get("loss", []), values.get("ce", []), values.get("kl", []))
 

@@ -8,7 +8,9 @@ bfloat16 autocast, a progress bar, checkpoints and resume.
 optimized and whose state a checkpoint keeps. ``loss_fn(batch) -> (loss, {name: float})`` runs the
 forward pass; the floats are logged per step. ``batches`` yields ``steps * grad_accum``
 micro-batches in a fixed order (seeded): on resume the ones of the finished steps are skipped, so
-a resumed run sees the data a run without interruption would have seen. A checkpoint
+a resumed run sees the data a run without interruption would have seen. ``after_step()``, when
+given, runs after each optimizer update (before a checkpoint is written): for constraints the
+update must not break, such as a pruned model's zeros. A checkpoint
 (``out_dir/checkpoint.pt``, every ``checkpoint_every`` steps and at the end) holds the modules'
 state, the optimizer's and scheduler's, the step and the log so far.
 """
@@ -124,7 +126,7 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self, batches: Iterable[Any], loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float]]],
-            resume: bool = True) -> TrainLog:
+            resume: bool = True, after_step: Callable[[], None] | None = None) -> TrainLog:
         cfg = self.config
         if resume:
             self.resume()
@@ -147,6 +149,8 @@ class Trainer:
                     sums[name] = sums.get(name, 0.0) + value / cfg.grad_accum
             torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
             self.optimizer.step()
+            if after_step is not None:
+                after_step()
             self.scheduler.step()
             self.step += 1
             self.log.add(sums)

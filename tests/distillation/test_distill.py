@@ -1,0 +1,280 @@
+"""Distillation on tiny random models: the KD loss falls, an interrupted run resumes to the exact
+state of an uninterrupted one, feature transfer learns its projection, the acceptance objective
+raises argmax agreement, pruned zeros stay zero, the data-free mode writes and reuses the
+teacher's text, QAD saves a quantized student, the CLI runs, a different vocabulary is refused,
+and the saved student gives HF transformers' logits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.model_utils import prompt_logits, save_byte_tokenizer  # noqa: E402
+from tests.quantization.helpers import tiny_loaded  # noqa: E402
+from tokenmill.distillation import distill as distill_module  # noqa: E402
+from tokenmill.distillation.config import DistillConfig  # noqa: E402
+from tokenmill.distillation.data import TEACHER_TEXT, training_tokens  # noqa: E402
+from tokenmill.distillation.distill import distill, distill_models  # noqa: E402
+from tokenmill.distillation.losses import distill_loss, evenly_spaced_pairs, total_variation  # noqa: E402
+from tokenmill.errors import InvalidParameterError  # noqa: E402
+from tokenmill.quantization.linear import Int4Linear  # noqa: E402
+from tokenmill.quantization.qat import training_logits  # noqa: E402
+from tokenmill.training.trainer import CHECKPOINT  # noqa: E402
+
+VOCAB = 320
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+        "must be in want of a wife. ") * 40
+TRAIN = dict(lr=1e-2, warmup_steps=2, mixed_precision=False, checkpoint_every=0)
+FAST = dict(batch_size=2, seq_len=32, eval_tokens=0, save_dtype="float32")
+
+
+def _config(steps: int, **options) -> DistillConfig:
+    """A few fast steps (float32 matmuls, lr 1e-2) on ``options["data"]``; ``train`` entries override."""
+    return DistillConfig(**{**FAST, **options, "train": {**TRAIN, "steps": steps, **options.get("train", {})}})
+
+
+def _write(path: Path, hidden: int, layers: int, seed: int, sharpen: float = 1.0, vocab: int = VOCAB) -> Path:
+    """A tiny random Llama as an HF directory with the byte-level tokenizer. Its own LM head (a tied
+    one makes every random model predict its input token, so that any two agree); ``sharpen``
+    scales it, so that the logits are far from uniform and the teacher has opinions to teach."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    model.save_pretrained(path)
+    save_byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("distill")
+    text = root / "text.txt"
+    text.write_text(TEXT)
+    return {"teacher": _write(root / "teacher", 64, 4, seed=0, sharpen=10.0),
+            "student": _write(root / "student", 32, 2, seed=1), "text": text, "root": root}
+
+
+def _batch(seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def _losses(teacher, student, config: DistillConfig) -> dict[str, float]:
+    """The logged terms on two fixed windows of the training text (no feature term)."""
+    ids = list(TEXT.encode())
+    batch = torch.tensor([ids[3:35], ids[50:82]])
+    with torch.no_grad():
+        return distill_loss(training_logits(student, batch), training_logits(teacher, batch), batch, config)[1]
+
+
+@pytest.fixture(scope="module")
+def kd_run(dirs):
+    config = _config(20, data=str(dirs["text"]), eval_tokens=128)
+    before = tiny_loaded(dirs["student"]).model
+    result = distill_models(dirs["teacher"], dirs["student"], config, dirs["root"] / "kd", progress=False)
+    return config, before, result
+
+
+def test_kd_lowers_the_kd_loss_and_writes_log_plot_and_student(dirs, kd_run):
+    config, before, result = kd_run
+    teacher = tiny_loaded(dirs["teacher"]).model
+    start, end = _losses(teacher, before, config), _losses(teacher, result.student.model, config)
+    assert end["kd"] < 0.8 * start["kd"]
+    assert set(result.log) == {"loss", "kd", "tvd", "ce", "acceptance"} and len(result.log["kd"]) == 20
+    out = dirs["root"] / "kd"
+    log = json.loads((out / "log.json").read_text())
+    assert log["tokens_seen"] == 20 * 2 * 32 and log["per_step"]["kd"] == result.log["kd"]
+    assert set(log["perplexity"]) == {"teacher", "student_before", "student_after"}
+    assert all(v > 1 for v in log["perplexity"].values())
+    assert (out / "loss.png").stat().st_size > 10_000 and (out / CHECKPOINT).exists()
+    saved = json.loads((result.saved / "config.json").read_text())["distillation"]
+    assert saved["config"] == config.to_dict() and saved["teacher"] == "teacher" and saved["tokens_seen"] == 1280
+
+
+def test_the_saved_student_gives_hf_transformers_logits(kd_run):
+    result = kd_run[2]
+    ids = _batch(7)[0].tolist()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(result.saved, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    ours = tiny_loaded(result.saved).model
+    assert (prompt_logits(ours, ids) - expected).abs().max().item() <= 1e-3
+    assert torch.allclose(prompt_logits(result.student.model, ids), expected, atol=1e-3)
+
+
+def test_an_interrupted_run_resumes_to_the_state_of_an_uninterrupted_one(dirs, monkeypatch):
+    config = _config(6, data=str(dirs["text"]), feature_weight=0.5,
+                     train={"checkpoint_every": 2, "mixed_precision": True, "grad_accum": 2})
+    whole = dirs["root"] / "whole"
+    distill_models(dirs["teacher"], dirs["student"], config, whole, progress=False)
+
+    cut = dirs["root"] / "cut"
+    calls = {"n": 0}
+    real = distill_module.distill_loss
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 7:  # in step 4, after the checkpoint of step 2 and the update of step 3
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distill_module, "distill_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill_models(dirs["teacher"], dirs["student"], config, cut, progress=False)
+    assert torch.load(cut / CHECKPOINT, weights_only=False)["step"] == 2
+    monkeypatch.setattr(distill_module, "distill_loss", real)
+    resumed = distill_models(dirs["teacher"], dirs["student"], config, cut, progress=False)
+    assert resumed.resumed_at == 2 and len(resumed.log["loss"]) == 6
+
+    a, b = (torch.load(d / CHECKPOINT, weights_only=False) for d in (whole, cut))
+    assert a["step"] == b["step"] == 6 and a["log"] == b["log"]
+    for name in ("student", "features"):
+        assert a["modules"][name].keys() == b["modules"][name].keys()
+        assert all(torch.equal(a["modules"][name][k], b["modules"][name][k]) for k in a["modules"][name])
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert a["scheduler"] == b["scheduler"]
+
+
+def test_feature_transfer_learns_a_projection(dirs):
+    config = _config(15, data=str(dirs["text"]), feature_weight=1.0, kd_weight=0.0, ce_weight=0.0)
+    result = distill_models(dirs["teacher"], dirs["student"], config, dirs["root"] / "features", progress=False)
+    feature = result.log["feature"]
+    assert sum(feature[-3:]) < 0.8 * sum(feature[:3])
+    state = torch.load(dirs["root"] / "features" / CHECKPOINT, weights_only=False)["modules"]["features"]
+    assert sorted(state) == ["proj.0.weight", "proj.1.weight"]  # student 32 wide, teacher 64: one per pair
+    torch.manual_seed(config.seed)
+    initial = torch.nn.Linear(32, 64, bias=False).weight
+    assert state["proj.0.weight"].shape == (64, 32) and not torch.equal(state["proj.0.weight"], initial)
+    assert evenly_spaced_pairs(2, 4) == ((0, 1), (1, 3))
+
+
+def test_the_acceptance_objective_raises_argmax_agreement(dirs):
+    config = _config(20, data=str(dirs["text"]), objective="acceptance", ce_weight=0.5)
+    teacher, before = tiny_loaded(dirs["teacher"]).model, tiny_loaded(dirs["student"]).model
+    result = distill_models(dirs["teacher"], dirs["student"], config, dirs["root"] / "accept", progress=False)
+    start, end = _losses(teacher, before, config), _losses(teacher, result.student.model, config)
+    assert end["acceptance"] > start["acceptance"] + 0.1 and end["tvd"] < start["tvd"]
+    assert "ce_argmax" in result.log
+    p = torch.tensor([[0.0, 1.0, 0.0]])
+    assert total_variation(p.log(), torch.tensor([[0.0, 0.0, 1.0]]).log()).item() == pytest.approx(1.0)
+    assert total_variation(p.log(), p.log()).item() == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_sparsity", "no_keep"])
+def test_a_pruned_students_zeros_stay_zero(dirs, keep, tmp_path):
+    student = tiny_loaded(dirs["student"])
+    gate_up = student.model.layers[0].mlp.gate_up.weight
+    with torch.no_grad():
+        gate_up[:, ::2] = 0  # half of the layer's weights, as unstructured pruning leaves it
+    zeros = gate_up == 0
+    config = _config(4, data=str(dirs["text"]), keep_sparsity=keep)
+    distill(tiny_loaded(dirs["teacher"]), student, config, tmp_path, progress=False)
+    after = student.model.layers[0].mlp.gate_up.weight
+    assert bool((after[zeros] == 0).all()) is keep
+    assert (after != 0).float().mean() > 0.45  # the kept half trained on
+
+
+def test_the_data_free_mode_writes_the_teachers_text_and_trains_on_it(dirs, tmp_path):
+    config = _config(3, data="teacher", teacher_text={"sequences": 4, "max_tokens": 24})
+    teacher = tiny_loaded(dirs["teacher"])
+    distill(teacher, tiny_loaded(dirs["student"]), config, tmp_path, progress=False)
+    record = json.loads((tmp_path / TEACHER_TEXT).read_text())
+    sequences = record["sequences"]
+    assert len(sequences) == 4 and record["tokens"] == sum(map(len, sequences))
+    assert all(len(s) >= 2 and s[-1] == 256 for s in sequences)  # prompt token, the teacher's text, EOS
+    assert len({tuple(s) for s in sequences}) == 4
+    assert record["text"][0] == teacher.tokenizer.decode(sequences[0], skip_special_tokens=False)
+    # the teacher wrote it: its own text is far likelier under it than random bytes are
+    own = torch.tensor([s[:24] for s in sequences if len(s) >= 24][:2])
+    noise = torch.randint(0, 256, own.shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        nll = [torch.nn.functional.cross_entropy(training_logits(teacher.model, x)[:, :-1].reshape(-1, VOCAB),
+                                                 x[:, 1:].reshape(-1)).item() for x in (own, noise)]
+    assert nll[0] < 0.75 * nll[1]
+    assert training_tokens(config, teacher, tmp_path) == [t for s in sequences for t in s]  # read back, not rewritten
+    other = dataclasses.replace(config, seed=1)
+    with pytest.raises(InvalidParameterError, match="was written with"):
+        training_tokens(other, teacher, tmp_path)
+
+
+def test_quantization_aware_distillation_saves_a_quantized_student_that_loads(dirs, tmp_path):
+    from tokenmill.loader import load_model
+
+    config = _config(4, data=str(dirs["text"]), qat=32)
+    result = distill_models(dirs["teacher"], dirs["student"], config, tmp_path, progress=False)
+    assert isinstance(result.student.model.layers[0].mlp.down, Int4Linear)
+    saved = json.loads((result.saved / "config.json").read_text())
+    assert saved["quantization_config"]["method"] == "int4" and saved["quantization_config"]["group_size"] == 32
+    assert saved["distillation"]["config"]["qat"]["group_size"] == 32
+    loaded = load_model(str(result.saved), torch.float32, "cpu")
+    assert isinstance(loaded.model.layers[1].attn.qkv, Int4Linear)
+    ids = _batch(3)[0].tolist()
+    assert torch.allclose(prompt_logits(loaded.model, ids), prompt_logits(result.student.model, ids), atol=1e-4)
+
+
+def test_the_distill_command_runs_and_prints_a_summary(dirs, tmp_path, capsys):
+    from tokenmill.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["distill", "--teacher", str(dirs["teacher"]), "--student", str(dirs["student"]), "--out", str(out),
+                 "--steps", "2", "--seq-len", "16", "--batch-size", "1", "--eval-tokens", "64",
+                 "--data", str(dirs["text"]), "--float32-matmuls"]) == 0
+    printed = capsys.readouterr().out
+    assert "perplexity on 64 held-out tokens: teacher" in printed and "32 tokens seen" in printed
+    assert f"wrote {out / 'student'}" in printed
+    assert (out / "student" / "model.safetensors").exists() and (out / "log.json").exists()
+
+
+def test_a_bad_flag_value_is_one_line_of_error(dirs, tmp_path, capsys):
+    from tokenmill.cli import main
+
+    assert main(["distill", "--teacher", "t", "--student", "s", "--out", str(tmp_path), "--objective", "mse"]) == 2
+    assert "DistillConfig.objective" in capsys.readouterr().err
+
+
+def test_a_student_with_another_vocabulary_is_refused(dirs, tmp_path, capsys):
+    from tokenmill.cli import main
+
+    other = _write(tmp_path / "other", 32, 2, seed=2, vocab=300)
+    assert main(["distill", "--teacher", str(dirs["teacher"]), "--student", str(other), "--out",
+                 str(tmp_path / "out")]) == 2
+    assert "vocab_size 300 (student) vs 320 (teacher)" in capsys.readouterr().err
+    swapped = _write(tmp_path / "swapped", 32, 2, seed=2)  # same size, two tokens' ids exchanged
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(InvalidParameterError, match="token id 97 is 'b' for the student, 'a' for the teacher"):
+        distill(tiny_loaded(dirs["teacher"]), tiny_loaded(swapped), _config(1), tmp_path / "out2",
+                progress=False)
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"objective": "mse"}, "objective"), ({"temperature": 0.0}, "temperature"), ({"train": {"steps": 0}}, "steps"),
+    ({"train": {"learning_rate": 1e-3}}, "TrainConfig: unknown key.*learning_rate"),
+    ({"seq_len": 1}, "seq_len"), ({"kd_weight": -1.0}, "kd_weight"), ({"save_dtype": "int8"}, "save_dtype"),
+    ({"kd_weight": 0.0, "ce_weight": 0.0}, "nothing to train"), ({"qat": 48}, "group_size"),
+    ({"qat": {"group_size": 32, "steps": 5}}, "unknown key.*steps"), ({"feature_layers": [[0, -1]]}, "feature_layers"),
+    ({"teacher_text": {"sequences": 0}}, "sequences"), ({"learning_rate": 1e-4}, "unknown key.*learning_rate")])
+def test_the_config_rejects_bad_values_naming_the_field(data, match):
+    with pytest.raises(InvalidParameterError, match=match):
+        DistillConfig.from_dict(data)
+
+
+def test_the_config_round_trips_through_its_dict():
+    config = DistillConfig(objective="acceptance", qat={"group_size": 32}, feature_weight=0.5,
+                           feature_layers=[[0, 1], [1, 3]], teacher_text={"sequences": 8}, train={"steps": 7})
+    assert DistillConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert config.feature_layers == ((0, 1), (1, 3)) and config.qat.group_size == 32
+    assert config.train.steps == 7 and config.train.lr == DistillConfig().train.lr == 1e-4  # the rest: the defaults

@@ -1,0 +1,102 @@
+"""The text a distillation run trains on, as one token stream that windows are cut from.
+
+    corpus     the training split of the Shakespeare corpus (quantization/qat.py's TRAIN_SPLIT:
+               the middle half, which the perplexity text at its start never reaches)
+    teacher    data-free: the teacher writes it (TeacherTextConfig), through the serving engine
+               (batched sampling over a paged KV cache, as spec_heads.py has its target write
+               its heads' data); kept in ``out_dir/teacher_text.json`` so that a resumed run
+               trains on the same text and later runs can read what the student learned from
+    FILE       any UTF-8 text file, tokenized whole
+
+Teacher sequences are packed back to back, each ended by EOS, the way pretraining packs documents.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tokenmill.distillation.config import DistillConfig, TeacherTextConfig
+from tokenmill.engine import EngineConfig, LLMEngine
+from tokenmill.errors import InvalidParameterError
+from tokenmill.models.builder import LoadedModel
+from tokenmill.quantization.qat import training_ids
+from tokenmill.sampling_params import SamplingParams
+
+TEACHER_TEXT = "teacher_text.json"
+
+
+def training_tokens(config: DistillConfig, teacher: LoadedModel, out_dir: Path, cache_dir: Path | None = None,
+                    progress: bool = True) -> list[int]:
+    """The token stream ``config.data`` names (see the module docstring)."""
+    if config.data == "corpus":
+        return training_ids(teacher.tokenizer, cache_dir)
+    if config.data == "teacher":
+        return [t for seq in teacher_text(teacher, config, out_dir, progress) for t in seq]
+    path = Path(config.data)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidParameterError(f"DistillConfig.data: cannot read {path} ({exc}); give corpus, teacher or a "
+                                    "UTF-8 text file") from None
+    return teacher.tokenizer.encode(text, add_special_tokens=False)
+
+
+def teacher_text(teacher: LoadedModel, config: DistillConfig, out_dir: Path, progress: bool = True) -> list[list[int]]:
+    """The teacher's sequences (each ending in EOS where the tokenizer has one): read from
+    ``out_dir/teacher_text.json`` when it was written with these settings, else generated and written."""
+    settings = {"teacher_text": asdict(config.teacher_text), "seed": config.seed}
+    path = out_dir / TEACHER_TEXT
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved["settings"] != settings:
+            raise InvalidParameterError(f"{path} was written with {saved['settings']}, not {settings}: use another "
+                                        "output directory, or delete it to have the teacher write new text")
+        return saved["sequences"]
+    sequences = generate(teacher, config.teacher_text, config.seed, progress)
+    tokenizer = teacher.tokenizer
+    record = {"settings": settings, "tokens": sum(map(len, sequences)), "sequences": sequences,
+              "text": [tokenizer.decode(s, skip_special_tokens=False) for s in sequences]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+    return sequences
+
+
+def first_tokens(teacher: LoadedModel, n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts: BOS (if any) and one non-special token drawn uniformly (seeded)."""
+    tokenizer = teacher.tokenizer
+    allowed = [i for i in range(min(tokenizer.vocab_size, teacher.config.vocab_size)) if not tokenizer.is_special(i)]
+    picks = torch.randint(len(allowed), (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return [bos + [allowed[i]] for i in picks]
+
+
+def generate(teacher: LoadedModel, config: TeacherTextConfig, seed: int, progress: bool = True) -> list[list[int]]:
+    """The teacher continues :func:`first_tokens` by sampling -> prompt + continuation (+ EOS) per sequence."""
+    prompts = first_tokens(teacher, config.sequences, seed)
+    device = teacher.model.embed.weight.device
+    longest = max(map(len, prompts)) + config.max_tokens
+    engine = LLMEngine(teacher, device, EngineConfig.from_options(
+        max_model_len=min(longest, teacher.config.max_position_embeddings), max_num_seqs=min(config.sequences, 64),
+        seed=seed, keep_large_buffers=False))
+    requests = [engine.add_request(p, SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens,
+                                                     seed=seed * 100_003 + i))
+                for i, p in enumerate(prompts)]
+    with tqdm(total=len(requests), desc="teacher text", disable=not progress, unit="seq") as bar:
+        while engine.has_unfinished_requests():
+            bar.update(sum(delta.finished for delta in engine.step()))
+    eos = teacher.tokenizer.eos_token_id
+    stops = teacher.tokenizer.stop_token_ids
+    out = []
+    for request in requests:
+        ids = list(request.sequences[0].all_token_ids)
+        if eos is not None and (not ids or ids[-1] not in stops):
+            ids.append(eos)
+        out.append(ids)
+    return out

@@ -1,0 +1,277 @@
+"""Knowledge distillation: train a student to match a frozen teacher's next-token distributions.
+
+    distill(teacher, student, DistillConfig(...), out_dir)         two models in memory
+    distill_models("smollm2-135m-instruct", "pruned/", config, out) model arguments, loaded in float32
+
+One run:
+  check        the student shares the teacher's vocabulary and tokenizer (the losses compare
+               distributions row by row, so a different vocabulary has nothing to compare)
+  measure      held-out perplexity of the teacher and the student (the corpus start, as eval does)
+  data         the token stream ``config.data`` names (data.py); seeded windows of it
+  prepare      with ``qat``: the student's linear layers become fake-quantized (qat.py); with
+               ``keep_sparsity``: masks of the student's zeros; with ``feature_weight``: the
+               projections of :class:`~tokenmill.distillation.losses.FeatureTransfer`
+  train        the shared trainer (AdamW, accumulation, autocast, progress, checkpoints every
+               ``checkpoint_every`` steps in ``out_dir``, resume): per micro-batch the teacher's
+               logits (and hidden states) are computed on the fly without autograd, nothing is
+               cached, and the student's forward runs over training_attention (plain causal SDPA)
+  finish       convert a QAT student to INT4/INT8, measure again, save the student (HF directory,
+               or a quantized one), ``log.json`` and ``loss.png``
+
+A student made by ``tokenmill prune`` (an HF directory: smaller widths or fewer layers, or
+zeros) is the Minitron recipe: prune the teacher, then distill the teacher back into it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenmill.device import resolve_device
+from tokenmill.distillation.config import DistillConfig
+from tokenmill.distillation.data import training_tokens
+from tokenmill.distillation.losses import FeatureTransfer, block_outputs, distill_loss, evenly_spaced_pairs
+from tokenmill.errors import InvalidParameterError
+from tokenmill.eval.corpus import fetch_corpus, read_tokens
+from tokenmill.eval.perplexity import perplexity
+from tokenmill.loading.sources import ModelSource
+from tokenmill.loading.tokenizer import Tokenizer
+from tokenmill.models.base import CausalLM
+from tokenmill.models.builder import LoadedModel
+from tokenmill.models.export import save_hf
+from tokenmill.paths import default_cache_dir
+from tokenmill.quantization.api import load_float32
+from tokenmill.quantization.checkpoint import save_quantized
+from tokenmill.quantization.qat import convert_qat, prepare_qat, sample_batches, training_logits
+from tokenmill.training.trainer import Trainer, TrainLog
+
+LOG_FILE = "log.json"
+PLOT_FILE = "loss.png"
+SPARSE_LAYER_FRACTION = 0.1
+"""A linear weight with at least this fraction of exact zeros is taken to be pruned (keep_sparsity)."""
+
+
+@dataclass
+class DistillResult:
+    """What a run produced; ``log.json`` in ``out_dir`` holds the same."""
+
+    student: LoadedModel
+    """The trained student as saved (quantized with ``qat``), ready to run."""
+    saved: Path
+    """The student's directory (``out_dir/student``)."""
+    log: dict[str, list[float]]
+    """Per optimizer step: loss, kd, tvd, ce, acceptance (argmax agreement)[, ce_argmax, feature]."""
+    perplexity: dict[str, float | None]
+    """Held-out perplexity: teacher, student_before, student_after (None with eval_tokens 0)."""
+    tokens_seen: int
+    """Training tokens the student read (all steps, the resumed part included)."""
+    wall_seconds: float
+    """This call's wall time."""
+    resumed_at: int
+    """The step training resumed from (0: from the start)."""
+    plot: Path | None
+    """``loss.png`` (None without matplotlib)."""
+
+
+def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, config: DistillConfig,
+            out_dir: str | os.PathLike, progress: bool = True, tokenizer: Tokenizer | None = None,
+            cache_dir: str | os.PathLike | None = None) -> DistillResult:
+    """Train ``student`` (float32, in place) on ``teacher`` (frozen) as ``config`` says; checkpoints,
+    the log, the plot and the student go to ``out_dir``; a checkpoint there is resumed from.
+    ``tokenizer``: the shared tokenizer, needed when both models are bare CausalLMs."""
+    start = time.monotonic()
+    teacher, student = _loaded(teacher, tokenizer, "teacher"), _loaded(student, tokenizer, "student")
+    check_same_vocabulary(teacher, student)
+    _check_float32(student.model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = Path(cache_dir) if cache_dir else None
+    held_out = read_tokens(teacher.tokenizer, fetch_corpus(cache), config.eval_tokens) if config.eval_tokens else None
+    scores = {"teacher": _perplexity(teacher.model, held_out), "student_before": _perplexity(student.model, held_out)}
+    ids = training_tokens(config, teacher, out, cache, progress)
+
+    log = _train(teacher.model, student.model, config, ids, out, progress)
+    if config.qat is not None:
+        convert_qat(student.model, config.qat, progress)
+    else:
+        student.model.to(getattr(torch, config.save_dtype))  # measured as it is written
+    scores["student_after"] = _perplexity(student.model, held_out)
+    tokens = config.train.steps * config.tokens_per_step
+    record = {"config": config.to_dict(), "teacher": teacher.source.name, "student": student.source.name,
+              "tokens_seen": tokens, "wall_seconds": round(time.monotonic() - start, 3),
+              "resumed_at": log.resumed_at, "perplexity": scores}
+    saved = _save(student, out / "student", record)
+    (out / LOG_FILE).write_text(json.dumps({**record, "per_step": log.values}, indent=2))
+    plot = plot_losses(log.values, out / PLOT_FILE)
+    return DistillResult(student, saved, log.values, scores, tokens, record["wall_seconds"], log.resumed_at, plot)
+
+
+def distill_models(teacher: str | os.PathLike, student: str | os.PathLike, config: DistillConfig,
+                   out_dir: str | os.PathLike, device: str = "cpu", progress: bool = True,
+                   cache_dir: str | os.PathLike | None = None) -> DistillResult:
+    """Load two model arguments (name, GGUF file, HF directory: e.g. one ``tokenmill prune`` wrote)
+    in float32 and :func:`distill` the first into the second."""
+    resolved = resolve_device(device)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    return distill(load_float32(teacher, resolved, cache), load_float32(student, resolved, cache), config, out_dir,
+                   progress, cache_dir=cache)
+
+
+# --------------------------------------------------------------------------- checks and parts
+
+def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: list[int], out: Path,
+           progress: bool) -> TrainLog:
+    """Prepare the student (masks of its zeros, fake quantization, projections) and run the trainer."""
+    masks = sparsity_masks(student) if config.keep_sparsity else []
+    if config.qat is not None:
+        prepare_qat(student, config.qat, getattr(torch, config.save_dtype))
+    features = _feature_transfer(teacher, student, config)
+    teacher.requires_grad_(False)
+    student.requires_grad_(True)
+    student.embed.weight.requires_grad_(config.train_embedding)
+    modules: dict[str, nn.Module] = {"student": student}
+    if features is not None:
+        modules["features"] = features
+    trainer = Trainer(modules, config.train, out, desc="distill", progress=progress)
+    batches = sample_batches(ids, config.train.steps * config.train.grad_accum, config.batch_size, config.seq_len,
+                             config.seed, student.embed.weight.device)
+    log = trainer.fit(batches, lambda batch: _step_loss(teacher, student, features, batch, config),
+                      after_step=(lambda: reapply(masks)) if masks else None)
+    student.requires_grad_(False)
+    return log
+
+
+def check_same_vocabulary(teacher: LoadedModel, student: LoadedModel) -> None:
+    """InvalidParameterError naming the first difference between the two vocabularies, if any."""
+    t, s = teacher.config.vocab_size, student.config.vocab_size
+    why = "distillation compares next-token distributions row by row, so both need one vocabulary"
+    if t != s:
+        raise InvalidParameterError(f"the student's vocabulary differs from the teacher's: vocab_size {s} "
+                                    f"(student) vs {t} (teacher); {why}")
+    tt, st = teacher.tokenizer, student.tokenizer
+    if tt is st:
+        return
+    if tt.vocab_size != st.vocab_size:
+        raise InvalidParameterError(f"the student's tokenizer differs from the teacher's: {st.vocab_size} tokens "
+                                    f"(student) vs {tt.vocab_size} (teacher); {why}")
+    for i in range(tt.vocab_size):
+        a, b = _spelling(tt, i), _spelling(st, i)
+        if a != b:
+            raise InvalidParameterError(f"the student's tokenizer differs from the teacher's: token id {i} is {b!r} "
+                                        f"for the student, {a!r} for the teacher; {why}")
+
+
+def _spelling(tokenizer: Tokenizer, i: int) -> str | None:
+    try:
+        return tokenizer.id_to_token(i)
+    except InvalidParameterError:  # an id with no token (a hole in the vocabulary)
+        return None
+
+
+def _check_float32(model: CausalLM) -> None:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if getattr(model, "quantization_config", None) is not None or dtypes != {torch.float32}:
+        raise InvalidParameterError("distill: the student must be a float32 model (AdamW keeps float32 weights); "
+                                    f"this one has {sorted(map(str, dtypes))} parameters")
+
+
+def _loaded(model: CausalLM | LoadedModel, tokenizer: Tokenizer | None, role: str) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model
+    if tokenizer is None:
+        raise InvalidParameterError(f"distill: the {role} is a bare CausalLM; pass tokenizer= (or a LoadedModel)")
+    return LoadedModel(model, model.config, tokenizer, ModelSource(role, "hf", Path(role)))
+
+
+def sparsity_masks(model: CausalLM) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """(weight, nonzero mask) of each linear weight (2-D, the embedding aside) with at least
+    SPARSE_LAYER_FRACTION exact zeros: the pattern a pruned model's zeros make."""
+    out = []
+    for p in model.parameters():
+        if p.dim() == 2 and p is not model.embed.weight:
+            keep = p.detach() != 0
+            if 1 - keep.float().mean().item() >= SPARSE_LAYER_FRACTION:
+                out.append((p, keep))
+    return out
+
+
+@torch.no_grad()
+def reapply(masks: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Zero again what an optimizer step moved off zero."""
+    for p, keep in masks:
+        p.mul_(keep)
+
+
+def _feature_transfer(teacher: CausalLM, student: CausalLM, config: DistillConfig) -> FeatureTransfer | None:
+    if config.feature_weight == 0:
+        return None
+    n_s, n_t = len(student.layers), len(teacher.layers)
+    pairs = config.feature_layers or evenly_spaced_pairs(n_s, n_t)
+    bad = [(i, j) for i, j in pairs if i >= n_s or j >= n_t]
+    if bad:
+        raise InvalidParameterError(f"DistillConfig.feature_layers: {bad} out of range (the student has {n_s} "
+                                    f"layers, the teacher {n_t})")
+    torch.manual_seed(config.seed)  # the projections' initial weights (a resumed run loads them)
+    device = student.embed.weight.device
+    return FeatureTransfer(pairs, student.config.hidden_size, teacher.config.hidden_size).to(device)
+
+
+def _step_loss(teacher: CausalLM, student: CausalLM, features: FeatureTransfer | None, batch: torch.Tensor,
+               config: DistillConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch. The teacher runs under no_grad rather than inference_mode: the KL's backward
+    saves the teacher's probabilities, and inference tensors cannot be saved for backward."""
+    t_layers, s_layers = (features.teacher_layers, features.student_layers) if features is not None else ([], [])
+    with torch.no_grad(), block_outputs(teacher, t_layers) as t_hidden:
+        t_logits = training_logits(teacher, batch)
+    with block_outputs(student, s_layers) as s_hidden:
+        s_logits = training_logits(student, batch)
+    feature = features(s_hidden, t_hidden) if features is not None else None
+    return distill_loss(s_logits, t_logits, batch, config, feature)
+
+
+def _perplexity(model: CausalLM, ids: list[int] | None) -> float | None:
+    if ids is None:
+        return None
+    context = min(512, len(ids))
+    return perplexity(model, ids, context=context, stride=max(1, context // 2), progress=False).perplexity
+
+
+def _save(student: LoadedModel, out: Path, record: dict) -> Path:
+    """An HF directory (float student) or a tokenmill-quantized one (QAT), config.json recording
+    ``distillation``."""
+    if getattr(student.model, "quantization_config", None) is None:
+        return save_hf(student.model, student.config, student.tokenizer, out, extra={"distillation": record})
+    saved = save_quantized(student, out)
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, "distillation": record}, indent=2))
+    return saved
+
+
+def plot_losses(values: dict[str, list[float]], path: Path) -> Path | None:
+    """Loss curves per step (left) and argmax agreement (right) -> the PNG, or None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (losses, agreement) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in ("loss", "kd", "tvd", "ce", "ce_argmax", "feature"):
+        if name in values:
+            losses.plot(range(1, len(values[name]) + 1), values[name], label=name)
+    losses.set(xlabel="step", ylabel="nats per token (tvd: probability)", yscale="log", title="distillation losses")
+    losses.legend()
+    agreement.plot(range(1, len(values["acceptance"]) + 1), values["acceptance"], color="tab:green")
+    agreement.set(xlabel="step", ylabel="fraction of positions", ylim=(0, 1),
+                  title="student top-1 = teacher top-1 (greedy acceptance)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -9,6 +9,10 @@
                      tokenmill.quantization.gguf_native.load_gguf_native: its quantized linears as
                      stored, bfloat16 activations; anything else (an explicit dtype asks for the
                      dequantized model) -> tokenmill.models.builder.load_float_model
+    sparse           a directory written by ``tokenmill prune`` with an unstructured or N:M method
+                     (``pruning_config`` in its config.json), loaded in bfloat16 on CPU: its pruned
+                     linears stored without their zeros and run by the sparse kernel
+                     (tokenmill.pruning.sparse_linear; bit-identical outputs, fewer bytes per token)
 
 This is the facade layer: it sits above the quantization package, which is what lets it load
 every kind of checkpoint while models/ and loading/ know nothing of quantization.
@@ -27,6 +31,7 @@ from tokenmill.loading.sources import ModelSource, resolve_model
 from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.models.builder import LoadedModel, load_float_model
 from tokenmill.paths import default_cache_dir
+from tokenmill.pruning.sparse_linear import sparsify
 from tokenmill.quantization.checkpoint import load_quantized
 from tokenmill.quantization.config import quantization_config_of
 from tokenmill.quantization.gguf_native import ACTIVATION_DTYPE, load_gguf_native, native_unavailable
@@ -58,7 +63,24 @@ def load_model(model: str | os.PathLike | ModelSource | None = None, dtype: str 
             return load_gguf_native(source, ACTIVATION_DTYPE, resolved_device, cache_dir=cache)
         logger.info("GGUF %s: quantized weights dequantized to %s (%s)", source.path.name,
                     str(resolved_dtype).removeprefix("torch."), why)
-    return load_float_model(source, resolved_dtype, resolved_device, cache_dir=cache)
+    loaded = load_float_model(source, resolved_dtype, resolved_device, cache_dir=cache)
+    if source.format == "hf" and _unstructured_pruned(source.path):
+        swapped = sparsify(loaded.model)
+        if swapped:
+            logger.info("%s: %d pruned linears run by the sparse kernel", source.path.name, len(swapped))
+    return loaded
+
+
+def _unstructured_pruned(path: Path) -> bool:
+    """Whether ``path``'s config.json says ``tokenmill prune`` zeroed weights in it (not structured pruning)."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    method = (config.get("pruning_config") or {}).get("method")
+    return method is not None and method != "structured"
 
 
 def _is_auto(dtype: str | torch.dtype) -> bool:

@@ -30,14 +30,20 @@ class LinearKind(enum.Enum):
     GROUPED = enum.auto()
     """``group_weight_linear``: grouped codes (w = code * scale + min, GGUF's types), weight and
     (scale, min) in ``group_cpu_pack``'s layout (N rounded up to 16), ``bits`` 4, 5, 7 or 8."""
+    SPARSE_BF16 = enum.auto()
+    """``sparse_bf16_linear``: a pruned bfloat16 weight without its zeros, from ``sparse_bf16_pack``:
+    weight = the nonzero values (bfloat16, flat), scales = one int32 mask per 32-element vector of
+    the packed layout [ceil(N / 16), K / 2], offsets = int64 [ceil(N / 16) + 1], each output tile's
+    first value. Bit-identical to BF16_PACKED on the dense weight."""
 
 
 @dataclass(frozen=True, eq=False)
 class CpuLinearSpec:
     """One linear layer for the CPU kernels: y = x W^T (+ bias), x [M, in_features] -> [M, out_features].
 
-    Invariants: INT8, INT4 and GROUPED have ``scales``; INT4 and GROUPED have ``group_size > 0``
-    dividing ``in_features``; GROUPED has ``bits`` 4, 5, 7 or 8. The tensors are the layer's own (no
+    Invariants: INT8, INT4, GROUPED and SPARSE_BF16 have ``scales``; INT4 and GROUPED have
+    ``group_size > 0`` dividing ``in_features``; GROUPED has ``bits`` 4, 5, 7 or 8; SPARSE_BF16 has
+    ``offsets``. The tensors are the layer's own (no
     copies): a spec is valid while the layer is unchanged."""
 
     kind: LinearKind
@@ -50,16 +56,21 @@ class CpuLinearSpec:
     groups (the input is zero-padded up to them)."""
     scales: torch.Tensor | None = None
     """INT8: [N]; INT4: scales and zeros in ``int4_cpu_pack``'s layout; GROUPED: scales and mins in
-    ``group_cpu_pack``'s; else None."""
+    ``group_cpu_pack``'s; SPARSE_BF16: the masks; else None."""
     bias: torch.Tensor | None = None
     group_size: int = 0
     """INT4, GROUPED: input columns per (scale, zero / min); else 0."""
     bits: int = 0
     """GROUPED: bits per code, 4 (codes 0..15), 5 (0..31), 7 (0..127, one a byte) or 8 (0..255); else 0."""
+    offsets: torch.Tensor | None = None
+    """SPARSE_BF16: int64 [tiles + 1], where each tile of 16 output channels starts in ``weight``; else None."""
 
     def __post_init__(self) -> None:
-        if self.kind in (LinearKind.INT8, LinearKind.INT4, LinearKind.GROUPED) and self.scales is None:
+        if self.kind in (LinearKind.INT8, LinearKind.INT4, LinearKind.GROUPED,
+                         LinearKind.SPARSE_BF16) and self.scales is None:
             raise ValueError(f"{self.kind.name} needs its scales")
+        if self.kind is LinearKind.SPARSE_BF16 and self.offsets is None:
+            raise ValueError("SPARSE_BF16 needs its offsets")
         if self.kind in (LinearKind.INT4, LinearKind.GROUPED) and (
                 self.group_size <= 0 or self.in_features % self.group_size):
             raise ValueError(f"{self.kind.name} needs group_size > 0 dividing in_features, got {self.group_size}, "
@@ -71,4 +82,4 @@ class CpuLinearSpec:
         """This spec as the compiled module ``ops``' ``Linear``, for ``DecodeStack.add_layer``."""
         return ops.Linear(kind=ops.LinearKind[self.kind.name], weight=self.weight, out_features=self.out_features,
                           in_features=self.in_features, scales=self.scales, bias=self.bias,
-                          group_size=self.group_size, bits=self.bits)
+                          group_size=self.group_size, bits=self.bits, offsets=self.offsets)

@@ -41,6 +41,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_packed_linear", &bf16_packed_linear, "bfloat16 linear over a packed weight, any number of rows (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::kw_only(),
         py::arg("out_float32") = false);
+  m.def("sparse_linear_fast", &sparse_linear_fast,
+        "whether sparse_bf16_linear can run here (AVX-512 BF16 and VBMI2)");
+  m.def("sparse_bf16_pack", &sparse_bf16_pack,
+        "a bfloat16 [N, K] weight without its zeros: (values, masks, offsets) for sparse_bf16_linear",
+        py::arg("weight"));
+  m.def("sparse_bf16_linear", &sparse_bf16_linear,
+        "bfloat16 linear over sparse_bf16_pack's tensors, bit-identical to bf16_packed_linear (CPU)", py::arg("x"),
+        py::arg("values"), py::arg("masks"), py::arg("offsets"), py::arg("bias"), py::arg("out_features"),
+        py::kw_only(), py::arg("out_float32") = false);
   m.def("write_quantized_kv", &write_quantized_kv, "quantize new K or V rows into an int8 / fp8 cache (CPU)",
         py::arg("x"), py::arg("slots"), py::arg("rows"), py::arg("scales"));
   bind_decoder(m);

@@ -207,15 +207,17 @@ enum class LinearKind {
   Int8,        // int8_weight_linear; weight int8 [N, K], scales [N] in the model dtype
   Int4,        // int4_weight_linear; weight and scales in int4_cpu_pack's layout, N a multiple of 16
   Grouped,     // group_weight_linear; weight and (scale, min) in group_cpu_pack's layout, bits 4, 5, 7 or 8
+  SparseBf16,  // sparse_bf16_linear; weight = values, scales = masks, offsets, from sparse_bf16_pack
 };
 
 // One linear layer as the model holds it, checked once when the stack is built.
 // Invariants: Int8, Int4 and Grouped have scales; Int4 and Grouped have group_size > 0 and
 // in_features a whole number of groups (the input is zero-padded up to it), and their output is cut
-// to out_features; Grouped has bits 4, 5, 7 or 8.
+// to out_features; Grouped has bits 4, 5, 7 or 8; SparseBf16 has scales (its masks) and offsets.
 struct Linear {
   LinearKind kind = LinearKind::Dense;
   torch::Tensor weight, scales, bias;  // scales, bias: undefined when absent
+  torch::Tensor offsets;               // SparseBf16 only: where each output tile's values start
   int64_t out_features = 0;
   int64_t in_features = 0;  // columns the kernel takes: the layer's own, or Int4's padded to whole groups
   int64_t group_size = 0;   // Int4 and Grouped only
@@ -224,10 +226,10 @@ struct Linear {
   Linear() = default;
   Linear(LinearKind kind_, torch::Tensor weight_, int64_t out_features_, int64_t in_features_,
          std::optional<torch::Tensor> scales_, std::optional<torch::Tensor> bias_, int64_t group_size_,
-         int64_t bits_)
+         int64_t bits_, std::optional<torch::Tensor> offsets_)
       : kind(kind_), weight(std::move(weight_)), scales(scales_ ? *scales_ : torch::Tensor()),
-        bias(bias_ ? *bias_ : torch::Tensor()), out_features(out_features_), in_features(in_features_),
-        group_size(group_size_), bits(bits_) {
+        bias(bias_ ? *bias_ : torch::Tensor()), offsets(offsets_ ? *offsets_ : torch::Tensor()),
+        out_features(out_features_), in_features(in_features_), group_size(group_size_), bits(bits_) {
     const bool grouped = kind == LinearKind::Int4 || kind == LinearKind::Grouped;
     TORCH_CHECK(weight.defined() && out_features > 0 && in_features > 0,
                 "Linear: a weight, out_features and in_features are required");
@@ -238,6 +240,8 @@ struct Linear {
     TORCH_CHECK(kind != LinearKind::Grouped || bits == 4 || bits == 5 || bits == 7 || bits == 8,
                 "Linear: GROUPED needs bits 4, 5, 7 or 8, got ",
                 bits);
+    TORCH_CHECK(kind != LinearKind::SparseBf16 || (scales.defined() && offsets.defined()),
+                "Linear: SPARSE_BF16 needs its masks (scales) and offsets");
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -260,6 +264,9 @@ struct Linear {
         if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
         return bias.defined() ? y + bias : y;
       }
+      case LinearKind::SparseBf16:
+        return sparse_bf16_linear(x, weight, scales, offsets,
+                                  bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt, out_features);
     }
     TORCH_CHECK(false, "Linear: unknown kind");
   }
@@ -366,13 +373,14 @@ void bind_decoder(pybind11::module& m) {
       .value("INT8", LinearKind::Int8, "int8_weight_linear")
       .value("INT4", LinearKind::Int4, "int4_weight_linear over an int4_cpu_pack'ed weight")
       .value("GROUPED", LinearKind::Grouped, "group_weight_linear over a group_cpu_pack'ed weight")
+      .value("SPARSE_BF16", LinearKind::SparseBf16, "sparse_bf16_linear over sparse_bf16_pack's tensors")
       .finalize();
   py::class_<Linear>(m, "Linear", "one linear layer of a DecodeStack")
       .def(py::init<LinearKind, torch::Tensor, int64_t, int64_t, std::optional<torch::Tensor>,
-                    std::optional<torch::Tensor>, int64_t, int64_t>(),
+                    std::optional<torch::Tensor>, int64_t, int64_t, std::optional<torch::Tensor>>(),
            py::kw_only(), py::arg("kind"), py::arg("weight"), py::arg("out_features"), py::arg("in_features"),
            py::arg("scales") = py::none(), py::arg("bias") = py::none(), py::arg("group_size") = 0,
-           py::arg("bits") = 0)
+           py::arg("bits") = 0, py::arg("offsets") = py::none())
       .def("__call__", &Linear::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"),
            "y = x W^T (+ bias) [M, out_features], as DecodeStack.run multiplies by this layer")
       .def_property_readonly("kind", [](const Linear& l) { return l.kind; })

@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <optional>
+#include <tuple>
 
 // Which implementation an entry point runs. Both compute the same function; only the summation
 // order (float rounding) differs. Portable exists so that tests can check the vectorized path
@@ -54,6 +56,13 @@ torch::Tensor bf16_pack(torch::Tensor weight);
 // out_float32: the outputs rounded to bfloat16 as usual, stored as float32.
 torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
                                  bool out_float32 = false);
+
+// sparse_linear.cpp: a pruned bfloat16 weight without its zeros (a mask and the nonzeros per
+// vector of bf16_pack's layout), bit-identical to bf16_packed_linear on the dense weight
+bool sparse_linear_fast();
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sparse_bf16_pack(torch::Tensor weight);
+torch::Tensor sparse_bf16_linear(torch::Tensor x, torch::Tensor values, torch::Tensor masks, torch::Tensor offsets,
+                                 std::optional<torch::Tensor> bias, int64_t N, bool out_float32 = false);
 
 // kv_write.cpp
 void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows, torch::Tensor scales);

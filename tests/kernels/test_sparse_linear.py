@@ -50,7 +50,9 @@ SPARSITIES = ["0", "0.5", "2:4", "0.9", "tile"]
 @pytest.mark.parametrize("m", [1, 3, 5, 12, 13, 17, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bit_identical_to_the_dense_kernel(m, n, k, sparsity, bias):
-    """M 1-3, 4-6, 7-12: registers only (8, 4, 2 tiles at once); 13, 17, 64: the expanded strip."""
+    """M 1, 3, 5: 4 tiles at once (the dense kernel: 8, 8, 4), one block of rows; 12, 13, 17, 64: 2 tiles
+    at once, 12 rows a block: one block, then a partial one and several; N 40, 1000: tiles left
+    over one by one (and a partial last tile)."""
     w = _pruned(n, k, sparsity)
     b = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16() if bias else None
     x = _x(m, k)

@@ -33,9 +33,13 @@
 // the register blocking, the batch and the threads are; tests/kernels/test_sparse_linear.py
 // checks it bit for bit.
 //
-// Register blocks and threads as the dense kernel: MB rows times NB tiles (MB * NB <= 24), threads
-// split the output tiles; each block of rows expands its tiles' vectors again as it multiplies
-// (one expand per 16 x 2 weights per MB rows).
+// Register blocks and threads as the dense kernel, MB rows times NB tiles (MB * NB <= 24), threads
+// splitting the output tiles, each block of rows expanding its tiles' vectors again as it
+// multiplies (one expand per 16 x 2 weights per MB rows); except that 1 to 3 rows take 4 tiles at
+// once, not the dense kernel's 8. There the expands, not vdpbf16ps's latency, bound the loop, and
+// 8 tiles are 16 streams (values and masks) per thread: measured at 1 row, one thread, 576 -> 3072,
+// 4 tiles took 39 / 36 us hot and 81 / 78 us cold at density 0.5 / 0.2, 8 tiles 46 / 42 and
+// 83 / 141.
 //
 // Why: batch-1 decode streams every weight from DRAM once per token; 9 bits per weight instead
 // of 16 cuts those bytes by 44% at 50% density. What it costs is the expand (and a popcount and
@@ -163,11 +167,11 @@ inline void rows_block(int mb, const uint16_t* x, int64_t ldx, const Expanding<N
 }
 
 // Rows per register block for a given number of tiles at once (MB * NB <= 24), as bf16_linear.cpp.
-constexpr int rows_for(int nb) { return nb == 8 ? 3 : nb == 4 ? 6 : 12; }
+constexpr int rows_for(int nb) { return nb == 4 ? 6 : 12; }
 
 // Tiles [t0, t0 + NB), all M rows, a register block of rows at a time, each walking the tiles'
 // streams from their start (expanding every vector again: measured, that beat expanding a strip
-// once into an L2 buffer for the row blocks to read, at every M from 13 to 256 rows).
+// once into an L2 buffer for the row blocks to read, from 16 to 256 rows, hot and cold).
 template <int NB, typename Out>
 void tile_group(const Sparse& w, int64_t t0, const uint16_t* x, int64_t M, int64_t K, const float* bias, Out* out,
                 int64_t N) {
@@ -276,9 +280,7 @@ torch::Tensor sparse_bf16_linear(torch::Tensor x, torch::Tensor values, torch::T
       else run_tiles<NB>(w, xp, M, K, bp, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), N, begin, end);
     });
   };
-  if (M <= 3) {
-    go(std::integral_constant<int, 8>());
-  } else if (M <= 6) {
+  if (M <= 6) {  // 1 to 3 rows too: see "Register blocks" at the top
     go(std::integral_constant<int, 4>());
   } else {
     go(std::integral_constant<int, 2>());

@@ -24,6 +24,17 @@ def reject_unknown_keys(cls: type, data: dict[str, Any]) -> None:
         )
 
 
+def config_by_method(classes: dict[str, type], data: dict[str, Any], what: str):
+    """The config class ``classes[data["method"]]`` built from the other keys of ``data`` (unknown
+    ones rejected, naming them): how a saved quantization or pruning config is read back."""
+    data = dict(data)
+    method = data.pop("method", None)
+    if method not in classes:
+        raise InvalidParameterError(f"unknown {what} method {method!r}; known methods are {', '.join(classes)}")
+    reject_unknown_keys(classes[method], data)
+    return classes[method](**data)
+
+
 class Config:
     """Base of the option configs: ``from_dict`` refuses unknown keys, naming them."""
 

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tokenmill.config import reject_unknown_keys
+from tokenmill.config import config_by_method
 from tokenmill.errors import InvalidParameterError
 
 STRUCTURED_DIMS = ("heads", "channels", "layers")
@@ -235,10 +235,4 @@ CONFIG_CLASSES: dict[str, type[PruneConfig]] = {
 
 def config_from_dict(data: dict[str, Any]) -> PruneConfig:
     """The config named by ``data["method"]``, built from the other keys (unknown ones rejected)."""
-    data = dict(data)
-    method = data.pop("method", None)
-    if method not in CONFIG_CLASSES:
-        raise InvalidParameterError(f"unknown pruning method {method!r}; known methods are {', '.join(CONFIG_CLASSES)}")
-    cls = CONFIG_CLASSES[method]
-    reject_unknown_keys(cls, data)
-    return cls(**data)
+    return config_by_method(CONFIG_CLASSES, data, "pruning")

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tokenmill.config import reject_unknown_keys
+from tokenmill.config import config_by_method
 from tokenmill.errors import InvalidParameterError
 from tokenmill.loading.hf_config import quantization_config_of  # noqa: F401  (defined with the HF config reader)
 
@@ -249,12 +249,4 @@ CONFIG_CLASSES: dict[str, type[QuantConfig]] = {
 
 def config_from_dict(data: dict[str, Any]) -> QuantConfig:
     """The config named by ``data["method"]``, built from the other keys (unknown ones rejected)."""
-    data = dict(data)
-    method = data.pop("method", None)
-    if method not in CONFIG_CLASSES:
-        raise InvalidParameterError(
-            f"unknown quantization method {method!r}; known methods are {', '.join(CONFIG_CLASSES)}")
-    cls = CONFIG_CLASSES[method]
-    reject_unknown_keys(cls, data)
-    return cls(**data)
-
+    return config_by_method(CONFIG_CLASSES, data, "quantization")

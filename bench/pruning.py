@@ -10,6 +10,12 @@ layers and the plan over all three at about 25% and 50% of the non-embedding par
 ``--extra NAME=DIR`` (a distilled student, say). Each pruned model is made once with
 ``tokenmill.pruning`` and kept in ``--work`` (a later run reuses it).
 
+``--distill-steps N`` adds, after each pruned row, ``ROW+kdN``: the pruned model distilled from
+the original for N steps (``tokenmill.distillation``: KL at T = 2 + 0.1 CE on the corpus'
+training split, ``--distill-batch`` x 256 tokens a step, ``--distill-lr``), made once and kept
+in ``--work`` too; its wall time and tokens seen join the row (``distill_seconds``,
+``distill_tokens``), as they do for an ``--extra`` directory that a distillation wrote.
+
 Every figure comes from the saved directory loaded as a server would load it (``LLM(dir,
 dtype="bfloat16")``: the same dtype and kernels for every row; unstructured rows run the sparse
 kernel where ``LLM`` picks it). Perplexity: the first ``--ppl-tokens`` tokens of the corpus
@@ -37,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quantization import KV_BUDGET, concurrent_tok_s, decode_tok_s  # noqa: E402  (bench/quantization.py)
 
 from tokenmill import LLM  # noqa: E402
+from tokenmill.distillation.config import DistillConfig  # noqa: E402
+from tokenmill.distillation.distill import distill_models  # noqa: E402
 from tokenmill.eval.corpus import fetch_corpus, read_tokens  # noqa: E402
 from tokenmill.eval.perplexity import perplexity  # noqa: E402
 from tokenmill.loader import load_model  # noqa: E402
@@ -78,6 +86,30 @@ def build(name: str, model_arg: str, work: Path) -> Path:
     return out
 
 
+def distilled(name: str, source: Path, model_arg: str, steps: int, lr: float, batch: int, work: Path) -> Path:
+    """The row's pruned model distilled from ``model_arg`` for ``steps`` (kept in ``work``)."""
+    run = work / f"{source.name}-kd{steps}"
+    student = run / "student"
+    if (student / "config.json").exists():
+        return student
+    print(f"distilling {name} for {steps} steps -> {student}", flush=True)
+    config = DistillConfig(train={"steps": steps, "lr": lr, "warmup_steps": max(1, steps // 10),
+                                  "checkpoint_every": max(1, steps // 4)}, batch_size=batch, eval_tokens=0)
+    result = distill_models(model_arg, source, config, run, progress=True)
+    del result
+    gc.collect()
+    return student
+
+
+def distill_cost(path: Path) -> dict:
+    """Wall time and tokens of the distillation that wrote ``path`` (its config.json), if one did."""
+    record = json.loads((path / "config.json").read_text()).get("distillation")
+    if not record:
+        return {}
+    return {"distill_seconds": record["wall_seconds"], "distill_tokens": record["tokens_seen"],
+            "distill_steps": record["config"]["train"]["steps"]}
+
+
 def quality(path: Path, ppl_tokens: int) -> dict:
     """Perplexity, parameters, zeros and size of the directory's model (cached in it per token count)."""
     cached = path / f"bench_quality_{ppl_tokens}.json"
@@ -106,6 +138,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "tokenmill" / "bench-pruning"))
     parser.add_argument("--out", default=str(RESULTS / "pruning.json"))
+    parser.add_argument("--distill-steps", type=int, default=0, help="also each pruned row distilled this many "
+                        "steps (0: none)")
+    parser.add_argument("--distill-lr", type=float, default=3e-4)
+    parser.add_argument("--distill-batch", type=int, default=4, help="sequences of 256 tokens per distillation step")
     parser.add_argument("--build-only", action="store_true", help="make the rows' models, measure nothing")
     parser.add_argument("--quality-only", action="store_true", help="make the models and measure perplexity (cached), "
                         "not speed")
@@ -114,14 +150,19 @@ def main() -> None:
     dirs = {"original": build("original", args.model, work)}
     for name in args.rows:
         dirs[name] = build(name, args.model, work)
+    if args.distill_steps:
+        for name in args.rows:  # after the pruning, so that --build-only can make every pruned row first
+            dirs[f"{name}+kd{args.distill_steps}"] = distilled(name, dirs[name], args.model, args.distill_steps,
+                                                               args.distill_lr, args.distill_batch, work)
     if args.build_only:
         return
     for spec in args.extra:
         name, _, path = spec.partition("=")
         dirs[name] = Path(path)
+    dirs = dict(sorted(dirs.items(), key=lambda item: _order(item[0], args.rows)))
     rows = {}
     for name, path in dirs.items():
-        rows[name] = {"name": name, "dir": str(path), **quality(path, args.ppl_tokens)}
+        rows[name] = {"name": name, "dir": str(path), **quality(path, args.ppl_tokens), **distill_cost(path)}
         print(f"{name:15s} perplexity {rows[name]['perplexity']:.2f}", flush=True)
     if args.quality_only:
         return
@@ -158,14 +199,28 @@ def main() -> None:
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
+def _order(name: str, rows: list[str]) -> tuple[int, int]:
+    """original first, each pruned row followed by its distilled one, --extra rows last."""
+    base = name.split("+")[0]
+    if name == "original":
+        return (-1, 0)
+    return (rows.index(base), 1 if "+" in name else 0) if base in rows else (len(rows), 0)
+
+
 def _report(results: dict) -> None:
     print(f"\n{'row':16s} {'non-emb params':>15s} {'emb':>6s} {'MB':>6s} {'zeros':>6s} {'perplexity':>11s} "
-          f"{'change':>8s} {'b1 tok/s':>9s} {'ratio':>6s} {'x16 tok/s':>10s} {'ratio':>6s}")
+          f"{'change':>8s} {'b1 tok/s':>9s} {'ratio':>6s} {'x16 tok/s':>10s} {'ratio':>6s} {'distilled':>18s}")
     for r in results["rows"]:
         print(f"{r['name']:16s} {r['non_embedding_params'] / 1e6:13.1f} M {r['embedding_params'] / 1e6:5.1f}M "
               f"{r['size_mb']:6.0f} {r['linear_zero_fraction']:6.1%} {r['perplexity']:11.2f} {r['ppl_change']:+8.1%} "
               f"{r['decode_tok_s']:9.1f} {r['decode_ratio']:6.2f} {r['concurrent_tok_s']:10.1f} "
-              f"{r['concurrent_ratio']:6.2f}")
+              f"{r['concurrent_ratio']:6.2f} {_cost(r):>18s}")
+
+
+def _cost(row: dict) -> str:
+    if "distill_tokens" not in row:
+        return ""
+    return f"{row['distill_tokens'] / 1e3:.0f}k tok, {row['distill_seconds'] / 60:.1f} min"
 
 
 def _plot(results: dict, path: Path) -> None:

@@ -10,6 +10,8 @@ measures the same prompts:
     edit   "Rewrite the passage, changing only the names": mostly copied, partly new
     code   "Rename the function ..." on a fixed Python module (CODE below): code modification
     open   a plain continuation of a passage: open-ended, little to look up
+    chat   generic chat requests (task x topic) on held-out topics (tokenmill.eval.prompts, split
+           "eval": topics no training prompt of a head or a draft distilled on chat names)
 
 Each (workload, batch) runs speculation off and every method in rotating order, ``--rounds``
 times, on the same prompts (greedy, EOS allowed; output tokens counted as produced). Reports the
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.eval.corpus import fetch_corpus
+from tokenmill.eval.prompts import chat_prompts
 
 RESULTS = Path(__file__).parent / "results"
 WORKLOADS = {
@@ -37,6 +40,7 @@ WORKLOADS = {
     "code": "Rename the function `{name}` to `{name}_v2` everywhere in this module and return the whole "
             "module.\n\n```python\n{code}```\n",
     "open": "{passage}",
+    "chat": None,  # tokenmill.eval.prompts.chat_prompts(split="eval")
 }
 
 CODE = '''import math
@@ -85,6 +89,8 @@ def prompt_texts(workload: str, n: int, seed: int) -> list[str]:
 
 def prompts(llm: LLM, workload: str, n: int, seed: int) -> list[list[int]]:
     """Token ids: instructions as a chat turn (the model's template), ``open`` as plain text to continue."""
+    if workload == "chat":
+        return chat_prompts(llm.tokenizer, n, seed, split="eval")
     texts = prompt_texts(workload, n, seed)
     if workload == "open":
         return [llm.tokenizer.encode(t) for t in texts]
@@ -129,7 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft", "eagle", "layerskip"])
-    parser.add_argument("--draft-model", default=None, help="the draft of method draft")
+    parser.add_argument("--draft-model", default=None, help="the draft of method draft (e.g. one distilled with "
+                        "tokenmill distill --objective acceptance --data chat)")
     parser.add_argument("--eagle-head", default=None, help="the head directory of method eagle "
                         "(tokenmill spec train-heads MODEL --out DIR)")
     parser.add_argument("--layer-skip-layers", type=int, default=0)

@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"tokenmill.paths"},
     {"tokenmill.options"},                         # config fields as flags and keyword arguments
     {"tokenmill.config"},                          # ModelConfig, LoadConfig
-    {"tokenmill.device"},
+    {"tokenmill.device", "tokenmill.allocator"},   # the device; the CPU allocator's thresholds
     {"tokenmill.sampling_params"},
     {"tokenmill.kernels"},                         # C++ CPU kernels and the one place that picks them
     {"tokenmill.loading"},                         # sources, GGUF, safetensors, tokenizer, checkpoints

@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,39 +33,13 @@ from tqdm import tqdm
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.spec.eagle import EagleHead
 from tokenmill.errors import InvalidParameterError
+from tokenmill.eval.prompts import chat_prompts
 from tokenmill.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.training.attention import CausalSDPABackend, training_attention
 from tokenmill.training.trainer import TrainConfig, Trainer
 
 DATA_FILE = "data.pt"
-TRAIN_SPLIT = (0.25, 0.75)
-"""The corpus characters prompts are cut from (the middle half; perplexity reads the last part)."""
-
-TOPICS = ["the water cycle", "how a bicycle works", "photosynthesis", "the French Revolution", "black holes",
-          "compound interest", "how vaccines work", "the history of the printing press", "machine learning",
-          "volcanoes", "the rules of chess", "healthy sleep habits", "how to bake bread", "the moon landing",
-          "electric cars", "the immune system", "ancient Rome", "climate change", "how the internet works",
-          "learning a new language", "the stock market", "honey bees", "the Pythagorean theorem", "recycling",
-          "jazz music", "time management", "the human heart", "earthquakes", "renewable energy", "coffee"]
-TASKS = ["Explain {topic} to a curious twelve-year-old.", "Write a short poem about {topic}.",
-         "Give five practical tips related to {topic}.", "Write a short story that involves {topic}.",
-         "What are the most common misconceptions about {topic}?", "Summarise the key facts about {topic}.",
-         "Write a Python function related to {topic}, with a docstring and an example.",
-         "Compare {topic} with something similar and list the differences.",
-         "Write an email to a friend recommending they learn about {topic}."]
-"""Generic chat prompts (task x topic): the other half of the prompts, so a head sees more than Shakespeare."""
-
-INSTRUCTIONS = [
-    "Summarise the following passage in a few sentences.\n\n{passage}",
-    "Continue this passage in the same style.\n\n{passage}",
-    "Explain in plain modern English what happens in this passage.\n\n{passage}",
-    "Rewrite the following passage as a short modern story.\n\n{passage}",
-    "Who speaks in this passage, and what do they want?\n\n{passage}",
-    "{passage}",
-]
-
-
 @dataclass(frozen=True)
 class HeadTrainingConfig:
     prompts: int = 192
@@ -108,27 +81,9 @@ class HeadTrainingConfig:
                            mixed_precision=self.mixed_precision, checkpoint_every=self.checkpoint_every)
 
 
-def make_prompts(llm: LLM, n: int, seed: int, passage_chars: int = 1200) -> list[list[int]]:
-    from tokenmill.eval.corpus import fetch_corpus
-
-    text = fetch_corpus().read_text(encoding="utf-8")
-    begin, end = (int(f * len(text)) for f in TRAIN_SPLIT)
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        if i % 2:  # a generic chat request
-            content = rng.choice(TASKS).format(topic=rng.choice(TOPICS))
-        else:  # a task on a corpus passage
-            at = rng.randrange(begin, end - passage_chars)
-            passage = text[at:at + rng.randrange(max(1, passage_chars // 4), passage_chars + 1)]
-            content = INSTRUCTIONS[(i // 2) % len(INSTRUCTIONS)].format(passage=passage)
-        out.append(llm.render_chat([{"role": "user", "content": content}]))
-    return out
-
-
 def generate_data(llm: LLM, config: HeadTrainingConfig, progress: bool = True) -> list[dict[str, torch.Tensor]]:
     """Training sequences: the target's answers to the prompts, with its hidden states."""
-    prompts = make_prompts(llm, config.prompts, config.seed, config.passage_chars)
+    prompts = chat_prompts(llm.tokenizer, config.prompts, config.seed, passage_chars=config.passage_chars)
     params = [SamplingParams(temperature=config.temperature, seed=config.seed * 100_003 + i,
                              max_tokens=config.max_tokens) for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=progress)

@@ -23,6 +23,7 @@ from tokenmill.distillation.data import TEACHER_TEXT, training_tokens  # noqa: E
 from tokenmill.distillation.distill import distill, distill_models  # noqa: E402
 from tokenmill.distillation.losses import distill_loss, evenly_spaced_pairs, total_variation  # noqa: E402
 from tokenmill.errors import InvalidParameterError  # noqa: E402
+from tokenmill.eval.prompts import chat_prompts  # noqa: E402
 from tokenmill.quantization.linear import Int4Linear  # noqa: E402
 from tokenmill.quantization.qat import training_logits  # noqa: E402
 from tokenmill.training.trainer import CHECKPOINT  # noqa: E402
@@ -78,7 +79,7 @@ def _losses(teacher, student, config: DistillConfig) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def kd_run(dirs):
-    config = _config(20, data=str(dirs["text"]), eval_tokens=128)
+    config = _config(20, data=str(dirs["text"]), eval_tokens=128, eval_every=10)
     before = tiny_loaded(dirs["student"]).model
     result = distill_models(dirs["teacher"], dirs["student"], config, dirs["root"] / "kd", progress=False)
     return config, before, result
@@ -89,12 +90,15 @@ def test_kd_lowers_the_kd_loss_and_writes_log_plot_and_student(dirs, kd_run):
     teacher = tiny_loaded(dirs["teacher"]).model
     start, end = _losses(teacher, before, config), _losses(teacher, result.student.model, config)
     assert end["kd"] < 0.8 * start["kd"]
-    assert set(result.log) == {"loss", "kd", "tvd", "ce", "acceptance"} and len(result.log["kd"]) == 20
+    assert set(result.log) == {"loss", "kd", "tvd", "ce", "acceptance", "eval_step", "eval_perplexity"}
+    assert len(result.log["kd"]) == 20 and result.log["eval_step"] == [10, 20]
     out = dirs["root"] / "kd"
     log = json.loads((out / "log.json").read_text())
     assert log["tokens_seen"] == 20 * 2 * 32 and log["per_step"]["kd"] == result.log["kd"]
     assert set(log["perplexity"]) == {"teacher", "student_before", "student_after"}
     assert all(v > 1 for v in log["perplexity"].values())
+    # the curve's last point is the saved student (float32 here) measured the same way
+    assert log["per_step"]["eval_perplexity"][-1] == pytest.approx(log["perplexity"]["student_after"], rel=1e-4)
     assert (out / "loss.png").stat().st_size > 10_000 and (out / CHECKPOINT).exists()
     saved = json.loads((result.saved / "config.json").read_text())["distillation"]
     assert saved["config"] == config.to_dict() and saved["teacher"] == "teacher" and saved["tokens_seen"] == 1280
@@ -185,6 +189,24 @@ def test_a_pruned_students_zeros_stay_zero(dirs, keep, tmp_path):
     assert (after != 0).float().mean() > 0.45  # the kept half trained on
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_sparsity", "no_keep"])
+def test_a_sparse_pruned_student_is_saved_as_pruned_so_the_loader_runs_its_zeros_sparse(dirs, keep, tmp_path):
+    from tokenmill.pruning.api import prune, save_pruned
+    from tokenmill.pruning.config import MagnitudeConfig
+
+    pruned, report = prune(str(dirs["student"]), MagnitudeConfig(sparsity=0.5), progress=False)
+    source = save_pruned(pruned, report, tmp_path / "pruned", torch.float32)
+    result = distill(tiny_loaded(dirs["teacher"]), tiny_loaded(source), _config(2, data=str(dirs["text"]),
+                     keep_sparsity=keep), tmp_path / "out", progress=False)
+    saved = json.loads((result.saved / "config.json").read_text())
+    assert "distillation" in saved
+    if keep:  # the zeros held: the student says what made them, as the pruned model did
+        assert saved["pruning_config"] == json.loads((source / "config.json").read_text())["pruning_config"]
+        assert (result.student.model.layers[0].mlp.gate_up.weight == 0).float().mean().item() >= 0.5
+    else:
+        assert "pruning_config" not in saved
+
+
 def test_the_data_free_mode_writes_the_teachers_text_and_trains_on_it(dirs, tmp_path):
     config = _config(3, data="teacher", teacher_text={"sequences": 4, "max_tokens": 24})
     teacher = tiny_loaded(dirs["teacher"])
@@ -206,6 +228,23 @@ def test_the_data_free_mode_writes_the_teachers_text_and_trains_on_it(dirs, tmp_
     other = dataclasses.replace(config, seed=1)
     with pytest.raises(InvalidParameterError, match="was written with"):
         training_tokens(other, teacher, tmp_path)
+
+
+def test_the_chat_mode_trains_on_the_teachers_greedy_answers_to_chat_prompts(dirs, tmp_path):
+    config = _config(2, data="chat", teacher_text={"sequences": 3, "max_tokens": 12, "temperature": 0.0,
+                                                   "passage_chars": 100})
+    teacher = tiny_loaded(dirs["teacher"])
+    distill(teacher, tiny_loaded(dirs["student"]), config, tmp_path, progress=False)
+    sequences = json.loads((tmp_path / TEACHER_TEXT).read_text())["sequences"]
+    prompts = chat_prompts(teacher.tokenizer, 3, config.seed, passage_chars=100)
+    assert [s[:len(p)] for s, p in zip(sequences, prompts)] == prompts  # each: a chat prompt, then the answer
+    assert all(len(s) > len(p) for s, p in zip(sequences, prompts))
+    # greedy: the answer is the teacher's argmax continuation, token by token
+    seq, n = sequences[0], len(prompts[0])
+    with torch.no_grad():
+        logits = training_logits(teacher.model, torch.tensor([seq]))[0]
+    answer = seq[n:n + 12]  # (an EOS after 12 tokens is the one generate appends)
+    assert logits[n - 1:n - 1 + len(answer)].argmax(-1).tolist() == answer
 
 
 def test_quantization_aware_distillation_saves_a_quantized_student_that_loads(dirs, tmp_path):
@@ -266,7 +305,8 @@ def test_a_student_with_another_vocabulary_is_refused(dirs, tmp_path, capsys):
     ({"seq_len": 1}, "seq_len"), ({"kd_weight": -1.0}, "kd_weight"), ({"save_dtype": "int8"}, "save_dtype"),
     ({"kd_weight": 0.0, "ce_weight": 0.0}, "nothing to train"), ({"qat": 48}, "group_size"),
     ({"qat": {"group_size": 32, "steps": 5}}, "unknown key.*steps"), ({"feature_layers": [[0, -1]]}, "feature_layers"),
-    ({"teacher_text": {"sequences": 0}}, "sequences"), ({"learning_rate": 1e-4}, "unknown key.*learning_rate")])
+    ({"teacher_text": {"sequences": 0}}, "sequences"), ({"eval_every": 5, "eval_tokens": 0}, "eval_every"),
+    ({"learning_rate": 1e-4}, "unknown key.*learning_rate")])
 def test_the_config_rejects_bad_values_naming_the_field(data, match):
     with pytest.raises(InvalidParameterError, match=match):
         DistillConfig.from_dict(data)

@@ -28,8 +28,10 @@ FLAGS = {  # DistillConfig field -> (type, help)
     "ce_weight": (float, "weight of the hard-label cross entropy (acceptance: on the teacher's argmax)"),
     "feature_weight": (float, "weight of hidden-state transfer through a learned projection (0: off)"),
     "objective": (str, "kd, or acceptance: a draft model maximising speculative decoding's acceptance"),
-    "data": (str, "corpus (its training split), teacher (data-free: text the teacher writes) or a text file"),
+    "data": (str, "corpus (its training split), teacher (data-free: text the teacher writes), chat (its answers "
+                 "to chat prompts: a draft's data) or a text file"),
     "eval_tokens": (int, "held-out corpus tokens for perplexity before and after (0: skip)"),
+    "eval_every": (int, "also measure the student's perplexity every this many steps (the curve in the plot)"),
     "save_dtype": (str, "dtype of the saved student: bfloat16, float32 or float16"),
     "seed": (int, "seed of the window order, the teacher's text and the projections"),
 }
@@ -52,9 +54,13 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--qat-group-size", type=int, default=None, metavar="G",
                    help="quantization-aware distillation: train through INT4 weights of group size G, save INT4")
     d.add_argument("--teacher-sequences", type=int, default=None,
-                   help=f"--data teacher: sequences it writes (default: {defaults.teacher_text.sequences})")
+                   help=f"--data teacher/chat: sequences it writes (default: {defaults.teacher_text.sequences})")
     d.add_argument("--teacher-max-tokens", type=int, default=None,
-                   help=f"--data teacher: longest sequence it writes (default: {defaults.teacher_text.max_tokens})")
+                   help=f"--data teacher/chat: longest text it writes per sequence "
+                   f"(default: {defaults.teacher_text.max_tokens})")
+    d.add_argument("--teacher-temperature", type=float, default=None,
+                   help=f"--data teacher/chat: its sampling temperature, 0 greedy "
+                   f"(default: {defaults.teacher_text.temperature})")
     d.add_argument("--float32-matmuls", action="store_true", help="train with float32 matmuls (default: bfloat16)")
     d.add_argument("--device", default="cpu", help="auto, cpu or cuda")
     d.add_argument("--cache-dir", default=None, help=option_fields(LoadConfig, only=("cache_dir",))[0].metadata["help"])
@@ -72,7 +78,8 @@ def distill_config(args: argparse.Namespace):
         options["train"] = train
     if args.qat_group_size is not None:
         options["qat"] = args.qat_group_size
-    text = {"sequences": args.teacher_sequences, "max_tokens": args.teacher_max_tokens}
+    text = {"sequences": args.teacher_sequences, "max_tokens": args.teacher_max_tokens,
+            "temperature": args.teacher_temperature}
     if any(v is not None for v in text.values()):
         options["teacher_text"] = {k: v for k, v in text.items() if v is not None}
     return DistillConfig.from_dict(options)
@@ -88,7 +95,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if ppl["teacher"] is not None:
         print(f"perplexity on {config.eval_tokens} held-out tokens: teacher {ppl['teacher']:.3f}, student "
               f"{ppl['student_before']:.3f} -> {ppl['student_after']:.3f}")
-    tail = {k: sum(v[-10:]) / len(v[-10:]) for k, v in result.log.items()}
+    tail = {k: sum(v[-10:]) / len(v[-10:]) for k, v in result.log.items() if not k.startswith("eval_")}
+    if "eval_perplexity" in result.log:
+        print("perplexity while training: " + ", ".join(
+            f"step {int(s)} {p:.2f}" for s, p in zip(result.log["eval_step"], result.log["eval_perplexity"])))
     print("final (mean of the last 10 steps): " + ", ".join(f"{k} {v:.4f}" for k, v in tail.items()))
     resumed = f", resumed at step {result.resumed_at}" if result.resumed_at else ""
     print(f"{config.train.steps} steps, {result.tokens_seen:,} tokens seen, {result.wall_seconds:.1f} s{resumed}")

@@ -22,7 +22,7 @@ from tokenmill.quantization.qat import QATConfig
 from tokenmill.training.trainer import TrainConfig
 
 OBJECTIVES = ("kd", "acceptance")
-DATA_SOURCES = ("corpus", "teacher")
+DATA_SOURCES = ("corpus", "teacher", "chat")
 """Named training texts; any other ``data`` value is the path of a UTF-8 text file."""
 SAVE_DTYPES = ("bfloat16", "float32", "float16")
 QAT_GRID_KEYS = ("weight", "group_size", "lm_head_int8", "quantize_lm_head")
@@ -34,28 +34,34 @@ DISTILL_TRAINING = TrainConfig(steps=200, lr=1e-4, checkpoint_every=50)
 
 @dataclass(frozen=True)
 class TeacherTextConfig:
-    """Data-free mode (``data="teacher"``): the text the teacher writes to be trained on.
+    """The text the teacher writes to be trained on (``data="teacher"`` or ``"chat"``).
 
-    Each sequence starts from BOS (when the tokenizer has one) and one token drawn uniformly from
-    the vocabulary, and the teacher continues it by sampling, as LLM-QAT (Liu et al. 2023)
-    generates its data: no corpus is read, and the text follows the teacher's own distribution,
-    the one the student is asked to match.
+    ``teacher`` (data-free): each sequence starts from BOS (when the tokenizer has one) and one
+    token drawn uniformly from the vocabulary, and the teacher continues it by sampling, as
+    LLM-QAT (Liu et al. 2023) generates its data: no corpus is read, and the text follows the
+    teacher's own distribution, the one the student is asked to match.
+
+    ``chat``: each sequence is a chat prompt (tokenmill.eval.prompts, the training split) and the
+    teacher's answer: the text a draft model drafts on when it serves chat requests.
     """
 
     sequences: int = 256
     """Sequences the teacher writes (generated once, cached in the output directory)."""
     max_tokens: int = 256
     """Longest continuation per sequence."""
+    passage_chars: int = 1200
+    """``chat``: the longest corpus passage in a prompt, in characters (the shortest is a quarter of it)."""
     temperature: float = 1.0
-    """Sampling temperature: 1 samples the teacher's distribution as it is."""
+    """Sampling temperature: 1 samples the teacher's distribution as it is; 0 is greedy (the
+    answers greedy serving gives)."""
 
     def __post_init__(self) -> None:
-        for name in ("sequences", "max_tokens"):
+        for name in ("sequences", "max_tokens", "passage_chars"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise InvalidParameterError(f"TeacherTextConfig.{name} must be a positive integer, "
                                             f"got {getattr(self, name)!r}")
-        if not self.temperature > 0 or not math.isfinite(self.temperature):
-            raise InvalidParameterError(f"TeacherTextConfig.temperature must be positive, got {self.temperature}")
+        if not self.temperature >= 0 or not math.isfinite(self.temperature):
+            raise InvalidParameterError(f"TeacherTextConfig.temperature must be >= 0, got {self.temperature}")
 
 
 @dataclass(frozen=True)
@@ -92,9 +98,10 @@ class DistillConfig:
     every student layer, matched to evenly spaced teacher layers (the last to the last)."""
     data: str = "corpus"
     """``corpus`` (the training split QAT reads, never the perplexity text), ``teacher`` (data-free:
-    text the teacher writes, :class:`TeacherTextConfig`) or the path of a UTF-8 text file."""
+    text the teacher writes, :class:`TeacherTextConfig`), ``chat`` (the teacher's answers to chat
+    prompts: a draft model's data) or the path of a UTF-8 text file."""
     teacher_text: TeacherTextConfig = field(default_factory=TeacherTextConfig)
-    """What the teacher writes when ``data="teacher"``."""
+    """What the teacher writes when ``data`` is ``teacher`` or ``chat``."""
     qat: QATConfig | None = None
     """Quantization-aware distillation: the student trains through fake-quantized weights (qat.py)
     and is converted at the end. Given as a QATConfig, an int (the INT4 group size) or a dict of
@@ -115,6 +122,9 @@ class DistillConfig:
     eval_tokens: int = 2048
     """Held-out perplexity of teacher and student, before and after, on the first this many
     corpus tokens (text the training split never reaches); 0 skips it."""
+    eval_every: int = 0
+    """Measure the student's held-out perplexity (on the ``eval_tokens``) every this many steps
+    while training, for the perplexity curve in the log and the plot; 0: before and after only."""
     save_dtype: str = "bfloat16"
     """dtype of the saved student (the compute dtype of a quantized one)."""
     seed: int = 0
@@ -143,6 +153,9 @@ class DistillConfig:
             _check(name, isinstance(getattr(self, name), int) and getattr(self, name) > 0, "a positive integer")
         _check("seq_len", self.seq_len >= 2, "at least 2")
         _check("eval_tokens", isinstance(self.eval_tokens, int) and self.eval_tokens >= 0, "an integer >= 0")
+        _check("eval_every", isinstance(self.eval_every, int) and self.eval_every >= 0, "an integer >= 0")
+        if self.eval_every and not self.eval_tokens:
+            raise InvalidParameterError("DistillConfig.eval_every needs eval_tokens > 0 (the text it measures on)")
         _check("temperature", self.temperature > 0 and math.isfinite(self.temperature), "positive")
         for name in ("kd_weight", "ce_weight", "feature_weight"):
             _check(name, getattr(self, name) >= 0 and math.isfinite(getattr(self, name)), ">= 0")

@@ -6,6 +6,8 @@
                (batched sampling over a paged KV cache, as spec_heads.py has its target write
                its heads' data); kept in ``out_dir/teacher_text.json`` so that a resumed run
                trains on the same text and later runs can read what the student learned from
+    chat       the teacher's answers to chat prompts (tokenmill.eval.prompts, training split),
+               prompt and answer one sequence; written and kept the same way
     FILE       any UTF-8 text file, tokenized whole
 
 Teacher sequences are packed back to back, each ended by EOS, the way pretraining packs documents.
@@ -23,6 +25,7 @@ from tqdm import tqdm
 from tokenmill.distillation.config import DistillConfig, TeacherTextConfig
 from tokenmill.engine import EngineConfig, LLMEngine
 from tokenmill.errors import InvalidParameterError
+from tokenmill.eval.prompts import chat_prompts
 from tokenmill.models.builder import LoadedModel
 from tokenmill.quantization.qat import training_ids
 from tokenmill.sampling_params import SamplingParams
@@ -35,7 +38,7 @@ def training_tokens(config: DistillConfig, teacher: LoadedModel, out_dir: Path, 
     """The token stream ``config.data`` names (see the module docstring)."""
     if config.data == "corpus":
         return training_ids(teacher.tokenizer, cache_dir)
-    if config.data == "teacher":
+    if config.data in ("teacher", "chat"):
         return [t for seq in teacher_text(teacher, config, out_dir, progress) for t in seq]
     path = Path(config.data)
     try:
@@ -49,7 +52,7 @@ def training_tokens(config: DistillConfig, teacher: LoadedModel, out_dir: Path, 
 def teacher_text(teacher: LoadedModel, config: DistillConfig, out_dir: Path, progress: bool = True) -> list[list[int]]:
     """The teacher's sequences (each ending in EOS where the tokenizer has one): read from
     ``out_dir/teacher_text.json`` when it was written with these settings, else generated and written."""
-    settings = {"teacher_text": asdict(config.teacher_text), "seed": config.seed}
+    settings = {"teacher_text": asdict(config.teacher_text), "seed": config.seed, "data": config.data}
     path = out_dir / TEACHER_TEXT
     if path.exists():
         saved = json.loads(path.read_text())
@@ -57,7 +60,10 @@ def teacher_text(teacher: LoadedModel, config: DistillConfig, out_dir: Path, pro
             raise InvalidParameterError(f"{path} was written with {saved['settings']}, not {settings}: use another "
                                         "output directory, or delete it to have the teacher write new text")
         return saved["sequences"]
-    sequences = generate(teacher, config.teacher_text, config.seed, progress)
+    text = config.teacher_text
+    prompts = chat_prompts(teacher.tokenizer, text.sequences, config.seed, passage_chars=text.passage_chars) \
+        if config.data == "chat" else first_tokens(teacher, text.sequences, config.seed)
+    sequences = generate(teacher, prompts, config.teacher_text, config.seed, progress)
     tokenizer = teacher.tokenizer
     record = {"settings": settings, "tokens": sum(map(len, sequences)), "sequences": sequences,
               "text": [tokenizer.decode(s, skip_special_tokens=False) for s in sequences]}
@@ -77,13 +83,18 @@ def first_tokens(teacher: LoadedModel, n: int, seed: int) -> list[list[int]]:
     return [bos + [allowed[i]] for i in picks]
 
 
-def generate(teacher: LoadedModel, config: TeacherTextConfig, seed: int, progress: bool = True) -> list[list[int]]:
-    """The teacher continues :func:`first_tokens` by sampling -> prompt + continuation (+ EOS) per sequence."""
-    prompts = first_tokens(teacher, config.sequences, seed)
+def generate(teacher: LoadedModel, prompts: list[list[int]], config: TeacherTextConfig, seed: int,
+             progress: bool = True) -> list[list[int]]:
+    """The teacher continues each prompt (sampling at ``config.temperature``; greedy at 0)
+    -> prompt + continuation (+ EOS) per sequence."""
     device = teacher.model.embed.weight.device
+    context = teacher.config.max_position_embeddings
     longest = max(map(len, prompts)) + config.max_tokens
+    if max(map(len, prompts)) >= context:
+        raise InvalidParameterError(f"the teacher's text: a prompt has {max(map(len, prompts))} tokens and the "
+                                    f"teacher's context is {context}; lower teacher_text.passage_chars")
     engine = LLMEngine(teacher, device, EngineConfig.from_options(
-        max_model_len=min(longest, teacher.config.max_position_embeddings), max_num_seqs=min(config.sequences, 64),
+        max_model_len=min(longest, context), max_num_seqs=min(config.sequences, 64),
         seed=seed, keep_large_buffers=False))
     requests = [engine.add_request(p, SamplingParams(temperature=config.temperature, max_tokens=config.max_tokens,
                                                      seed=seed * 100_003 + i))

@@ -96,7 +96,7 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
     scores = {"teacher": _perplexity(teacher.model, held_out), "student_before": _perplexity(student.model, held_out)}
     ids = training_tokens(config, teacher, out, cache, progress)
 
-    log = _train(teacher.model, student.model, config, ids, out, progress)
+    log = _train(teacher.model, student.model, config, ids, out, progress, held_out)
     if config.qat is not None:
         convert_qat(student.model, config.qat, progress)
     else:
@@ -106,7 +106,7 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
     record = {"config": config.to_dict(), "teacher": teacher.source.name, "student": student.source.name,
               "tokens_seen": tokens, "wall_seconds": round(time.monotonic() - start, 3),
               "resumed_at": log.resumed_at, "perplexity": scores}
-    saved = _save(student, out / "student", record)
+    saved = _save(student, out / "student", {**pruned_from(student, config), "distillation": record})
     (out / LOG_FILE).write_text(json.dumps({**record, "per_step": log.values}, indent=2))
     plot = plot_losses(log.values, out / PLOT_FILE)
     return DistillResult(student, saved, log.values, scores, tokens, record["wall_seconds"], log.resumed_at, plot)
@@ -126,8 +126,9 @@ def distill_models(teacher: str | os.PathLike, student: str | os.PathLike, confi
 # --------------------------------------------------------------------------- checks and parts
 
 def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: list[int], out: Path,
-           progress: bool) -> TrainLog:
-    """Prepare the student (masks of its zeros, fake quantization, projections) and run the trainer."""
+           progress: bool, held_out: list[int] | None = None) -> TrainLog:
+    """Prepare the student (masks of its zeros, fake quantization, projections) and run the trainer;
+    every ``config.eval_every`` steps the student's perplexity on ``held_out`` joins the log."""
     masks = sparsity_masks(student) if config.keep_sparsity else []
     if config.qat is not None:
         prepare_qat(student, config.qat, getattr(torch, config.save_dtype))
@@ -141,8 +142,14 @@ def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: lis
     trainer = Trainer(modules, config.train, out, desc="distill", progress=progress)
     batches = sample_batches(ids, config.train.steps * config.train.grad_accum, config.batch_size, config.seq_len,
                              config.seed, student.embed.weight.device)
-    log = trainer.fit(batches, lambda batch: _step_loss(teacher, student, features, batch, config),
-                      after_step=(lambda: reapply(masks)) if masks else None)
+
+    def after_step(step: int) -> dict[str, float] | None:
+        reapply(masks)
+        if config.eval_every and (step % config.eval_every == 0 or step == config.train.steps):
+            return {"eval_step": step, "eval_perplexity": _perplexity(student, held_out)}
+        return None
+
+    log = trainer.fit(batches, lambda batch: _step_loss(teacher, student, features, batch, config), after_step=after_step)
     student.requires_grad_(False)
     return log
 
@@ -242,19 +249,35 @@ def _perplexity(model: CausalLM, ids: list[int] | None) -> float | None:
     return perplexity(model, ids, context=context, stride=max(1, context // 2), progress=False).perplexity
 
 
-def _save(student: LoadedModel, out: Path, record: dict) -> Path:
+def pruned_from(student: LoadedModel, config: DistillConfig) -> dict:
+    """The ``pruning_config`` and ``pruning`` entries of the student's own config.json, when it is
+    a ``tokenmill prune`` directory whose shapes or zeros the distilled student keeps (structured:
+    always; unstructured: with ``keep_sparsity``), so that the loader runs its zeros on the sparse
+    kernel as it does the pruned model's; else none."""
+    try:
+        source = json.loads((student.source.path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return {}
+    method = (source.get("pruning_config") or {}).get("method")
+    if method is None or (method != "structured" and not config.keep_sparsity):
+        return {}
+    return {k: source[k] for k in ("pruning_config", "pruning") if k in source}
+
+
+def _save(student: LoadedModel, out: Path, extra: dict) -> Path:
     """An HF directory (float student) or a tokenmill-quantized one (QAT), config.json recording
-    ``distillation``."""
+    ``extra`` (``distillation``, and what the student was pruned by)."""
     if getattr(student.model, "quantization_config", None) is None:
-        return save_hf(student.model, student.config, student.tokenizer, out, extra={"distillation": record})
+        return save_hf(student.model, student.config, student.tokenizer, out, extra=extra)
     saved = save_quantized(student, out)
     config = json.loads((saved / "config.json").read_text())
-    (saved / "config.json").write_text(json.dumps({**config, "distillation": record}, indent=2))
+    (saved / "config.json").write_text(json.dumps({**config, **extra}, indent=2))
     return saved
 
 
 def plot_losses(values: dict[str, list[float]], path: Path) -> Path | None:
-    """Loss curves per step (left) and argmax agreement (right) -> the PNG, or None without matplotlib."""
+    """Loss curves per step, argmax agreement and (when measured while training) held-out
+    perplexity per step -> the PNG, or None without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -262,7 +285,9 @@ def plot_losses(values: dict[str, list[float]], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (losses, agreement) = plt.subplots(1, 2, figsize=(11, 4))
+    curve = "eval_perplexity" in values
+    fig, axes = plt.subplots(1, 3 if curve else 2, figsize=(16 if curve else 11, 4))
+    losses, agreement = axes[0], axes[1]
     for name in ("loss", "kd", "tvd", "ce", "ce_argmax", "feature"):
         if name in values:
             losses.plot(range(1, len(values[name]) + 1), values[name], label=name)
@@ -271,6 +296,9 @@ def plot_losses(values: dict[str, list[float]], path: Path) -> Path | None:
     agreement.plot(range(1, len(values["acceptance"]) + 1), values["acceptance"], color="tab:green")
     agreement.set(xlabel="step", ylabel="fraction of positions", ylim=(0, 1),
                   title="student top-1 = teacher top-1 (greedy acceptance)")
+    if curve:
+        axes[2].plot(values["eval_step"], values["eval_perplexity"], marker="o", color="tab:red")
+        axes[2].set(xlabel="step", ylabel="perplexity", yscale="log", title="student held-out perplexity")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -147,7 +147,7 @@ class EngineConfig(Config):
     seed: int | None = option(None, "seed of the random draws of requests that bring no seed of their own")
     keep_large_buffers: bool = option(
         True, "on CPU, keep freed buffers up to 512 MiB (logits, activations) for the next step instead of "
-              "returning them to the OS each time (glibc mallopt; see engine/allocator.py)")
+              "returning them to the OS each time (glibc mallopt; see tokenmill/allocator.py)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

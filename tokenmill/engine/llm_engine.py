@@ -22,7 +22,7 @@ import torch
 from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.attention.kv_quant import storage_dtype
 from tokenmill.config import layer_groups
-from tokenmill.engine.allocator import keep_large_buffers
+from tokenmill.allocator import keep_large_buffers
 from tokenmill.engine.config import CacheConfig, EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, SequenceInput

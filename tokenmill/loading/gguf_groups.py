@@ -16,7 +16,8 @@ per group of ``group_size`` consecutive columns of a row (g = k // group_size)::
 ``bits`` is how the kernel stores the codes: 4 for the types whose codes fit a nibble, 5 for the
 5-bit types (a nibble and a plane of fifth bits, 5/8 of a byte as in the file), one a byte for the
 others: 7 where they are below 128 (Q6_K: the kernel widens those to bfloat16 with an OR) and 8 for
-Q8_0. A fused projection takes the widest of its parts' (4 < 5 < 7 < 8: each holds the narrower). d, m, dmin are the file's halves (11 significant bits), sc_j and m_j its 6-bit
+Q8_0. A fused projection takes the widest of its parts' (4 < 5 < 7 < 8: each holds the narrower).
+d, m, dmin are the file's halves (11 significant bits), sc_j and m_j its 6-bit
 (Q6_K: 8-bit signed) integers, so every scale and min above is an exact float32 product, and so is
 ``code * scale`` (at most 11 + 7 + 6 = 24 significant bits, Q6_K's worst case). ``code * scale +
 min`` in float32 is then what ``gguf.quants.dequantize`` computes, bit for bit:

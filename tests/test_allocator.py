@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from tokenmill.engine import allocator
+from tokenmill import allocator
 from tokenmill.engine.config import EngineConfig
 
 

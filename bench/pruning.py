@@ -232,9 +232,14 @@ def _plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for ax, key, label in ((axes[0], "decode_ratio", "batch-1 decode speed vs original"),
                            (axes[1], "concurrent_ratio", "16-stream throughput vs original")):
+        by_name = {r["name"]: r for r in results["rows"]}
         for r in results["rows"]:
-            ax.scatter(r[key], r["perplexity"], s=30)
+            ax.scatter(r[key], r["perplexity"], s=30, marker="*" if "+" in r["name"] else "o")
             ax.annotate(r["name"], (r[key], r["perplexity"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            base = by_name.get(r["name"].split("+")[0]) if "+" in r["name"] else None
+            if base is not None:  # pruned -> distilled
+                ax.annotate("", (r[key], r["perplexity"]), (base[key], base["perplexity"]),
+                            arrowprops={"arrowstyle": "->", "color": "grey", "lw": 0.6})
         ax.set_xlabel(label)
         ax.set_ylabel("perplexity (held-out corpus)")
         ax.set_yscale("log")

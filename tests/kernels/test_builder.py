@@ -63,13 +63,14 @@ def test_the_command_fails_with_the_compilers_error(kernels_on, capsys):
 
 
 def test_the_command_says_where_and_how_long(kernels_on, capsys):
-    module = types.SimpleNamespace(int4_linear_fast=lambda: True, bf16_linear_fast=lambda: False)
+    module = types.SimpleNamespace(int4_linear_fast=lambda: True, bf16_linear_fast=lambda: False,
+                                   sparse_linear_fast=lambda: True)
     calls = []
     kernels_on.setattr(builder, "build", lambda: calls.append(1) or module)
     assert build_command.main() == 0 and calls == [1]
     out = capsys.readouterr().out
     assert f"CPU kernels: built in {builder.build_dir()} (" in out and " s)" in out
-    assert "int4 yes" in out and "bf16 no" in out
+    assert "int4 yes" in out and "bf16 no" in out and "sparse yes" in out
 
 
 def test_the_command_builds_nothing_when_off(tmp_path):

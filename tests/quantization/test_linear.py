@@ -43,6 +43,17 @@ def test_int8_kernel_matches_dequantized_reference(dtype, m):
     assert layer.qweight.dtype == torch.int8 and layer.qweight.abs().max() <= 127
 
 
+def test_the_pytorch_int8_path_takes_scales_of_another_dtype(monkeypatch):
+    """Without tokenmill's kernels (TOKENMILL_CPU_KERNELS=0, CUDA) a float32 input with bfloat16
+    scales (a float32 head in a bfloat16 model) is multiplied, not refused by PyTorch's kernel."""
+    layer = Int8Linear.from_float(_weight(), None, torch.bfloat16)
+    x = _x(3, 256, torch.float32)
+    monkeypatch.setattr(kernels.dispatch, "for_tensors", lambda *tensors: None)
+    y = kernels.int8_weight_mm(x, layer.qweight, layer.scale)
+    assert y.dtype == torch.float32
+    _close(y, x @ layer.dequantize().float().T, torch.bfloat16)
+
+
 def test_bfloat16_int8_runs_on_the_grouped_kernel_with_the_same_products():
     """bfloat16 int8 layers take the grouped kernel (one group per row, exact codes): the result is
     the per-channel kernel's sum of the same exact products up to summation order, rounded once to

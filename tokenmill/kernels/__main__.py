@@ -38,8 +38,9 @@ def main() -> int:
         return 1
     seconds = time.perf_counter() - start
     what = "already built, loaded" if was_built else "built"
-    fast = {name: getattr(module, f"{name}_linear_fast", lambda: False)() for name in ("int4", "bf16")}
-    print(f"CPU kernels: {what} in {directory} ({seconds:.1f} s); AVX-512 BF16 fast paths: "
+    fast = {name: getattr(module, f"{name}_linear_fast", lambda: False)() for name in ("int4", "bf16", "sparse")}
+    print(f"CPU kernels: {what} in {directory} ({seconds:.1f} s); AVX-512 BF16 fast paths "
+          "(sparse: + VBMI2): "
           + ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in fast.items()))
     return 0
 

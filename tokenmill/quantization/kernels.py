@@ -40,10 +40,13 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float, qweight int8 [N, K] and scale [N] in x's dtype, both aligned -> [M, N]."""
+    """x [M, K] float, qweight int8 [N, K] and scale [N] (float; cast to x's dtype where it differs),
+    both aligned -> [M, N]."""
     ops = dispatch.for_tensors(x)
     if ops is not None:
         return ops.int8_weight_linear(x, qweight, scale)
+    if scale.dtype != x.dtype:  # PyTorch's kernel wants them alike (a float32 head in a bfloat16 model)
+        scale = scale.to(x.dtype)
     return torch._weight_int8pack_mm(aligned(x), qweight, scale)
 
 

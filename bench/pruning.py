@@ -114,14 +114,16 @@ def distill_cost(path: Path) -> dict:
 def quality(path: Path, ppl_tokens: int) -> dict:
     """Perplexity, parameters, zeros and size of the directory's model (cached in it per token count)."""
     cached = path / f"bench_quality_{ppl_tokens}.json"
-    if cached.exists():
+    weights = (path / "model.safetensors").stat()
+    stamp = f"{weights.st_size}:{weights.st_mtime_ns}"  # a directory written again is measured again
+    if cached.exists() and json.loads(cached.read_text()).get("weights") == stamp:
         return {**json.loads(cached.read_text()), "linear_zero_fraction": zero_fraction(path)}
     loaded = load_model(str(path), torch.bfloat16, "cpu")
     ids = read_tokens(loaded.tokenizer, fetch_corpus(), ppl_tokens)
     ppl = perplexity(loaded.model, ids, context=512, stride=256, progress=False)
     counts = parameter_count(loaded.config)
     row = {"perplexity": ppl.perplexity, "ppl_tokens": ppl.tokens, "embedding_params": counts.embedding,
-           "non_embedding_params": counts.non_embedding, "size_mb": (path / "model.safetensors").stat().st_size / 1e6}
+           "non_embedding_params": counts.non_embedding, "size_mb": weights.st_size / 1e6, "weights": stamp}
     cached.write_text(json.dumps(row))
     return {**row, "linear_zero_fraction": zero_fraction(path)}
 

@@ -63,7 +63,7 @@ def teacher_text(teacher: LoadedModel, config: DistillConfig, out_dir: Path, pro
     text = config.teacher_text
     prompts = chat_prompts(teacher.tokenizer, text.sequences, config.seed, passage_chars=text.passage_chars) \
         if config.data == "chat" else first_tokens(teacher, text.sequences, config.seed)
-    sequences = generate(teacher, prompts, config.teacher_text, config.seed, progress)
+    sequences = generate(teacher, prompts, text, config.seed, progress)
     tokenizer = teacher.tokenizer
     record = {"settings": settings, "tokens": sum(map(len, sequences)), "sequences": sequences,
               "text": [tokenizer.decode(s, skip_special_tokens=False) for s in sequences]}
@@ -88,10 +88,10 @@ def generate(teacher: LoadedModel, prompts: list[list[int]], config: TeacherText
     """The teacher continues each prompt (sampling at ``config.temperature``; greedy at 0)
     -> prompt + continuation (+ EOS) per sequence."""
     device = teacher.model.embed.weight.device
-    context = teacher.config.max_position_embeddings
-    longest = max(map(len, prompts)) + config.max_tokens
-    if max(map(len, prompts)) >= context:
-        raise InvalidParameterError(f"the teacher's text: a prompt has {max(map(len, prompts))} tokens and the "
+    context, longest_prompt = teacher.config.max_position_embeddings, max(map(len, prompts))
+    longest = longest_prompt + config.max_tokens
+    if longest_prompt >= context:
+        raise InvalidParameterError(f"the teacher's text: a prompt has {longest_prompt} tokens and the "
                                     f"teacher's context is {context}; lower teacher_text.passage_chars")
     engine = LLMEngine(teacher, device, EngineConfig.from_options(
         max_model_len=min(longest, context), max_num_seqs=min(config.sequences, 64),

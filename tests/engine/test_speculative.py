@@ -307,6 +307,98 @@ def test_draft_sizes_follow_the_measured_step_cost():
     assert all(0 < k < 4 for k in mid)
 
 
+def _drive(gain, n: int, steps: int, plain_seconds: float, drafting: tuple[int, float, int]) -> list[bool]:
+    """Run ``steps`` decode steps of ``n`` sequences through the realised check: a plain step takes
+    ``plain_seconds``, a drafting one produces ``drafting[0]`` tokens in ``drafting[1]`` seconds,
+    verifying ``drafting[2]`` drafted tokens. Returns which steps drafted."""
+    modes = []
+    for _ in range(steps):
+        drafts = gain.drafts(n)
+        modes.append(drafts)
+        produced, seconds, verified = drafting if drafts else (n, plain_seconds, 0)
+        gain.observe(n, drafts, produced, seconds, verified)
+    return modes
+
+
+def test_the_realised_check_drafts_where_it_pays_and_stops_where_it_loses():
+    """Plain steps measure the cost first; where drafting steps produce more tokens per second than
+    plain ones it keeps drafting, with a plain step every REFRESH_EVERY; where they produce fewer
+    (a verification dearer than the tokens it brings), only probes of PROBE_STEPS draft."""
+    from tokenmill.engine.spec.gain import PROBE_EVERY, PROBE_STEPS, REFRESH_EVERY, RealisedGain
+
+    gain = RealisedGain()
+    wins = _drive(gain, 1, 200, plain_seconds=0.005, drafting=(3, 0.008, 4))  # x1.9 at batch 1
+    assert wins[:2] == [False, False] and all(wins[2:2 + REFRESH_EVERY])
+    assert wins.count(False) <= 2 + 200 // REFRESH_EVERY and gain.gain(1) > 1.5
+
+    loses = _drive(gain, 64, 400, plain_seconds=0.06, drafting=(150, 0.15, 200))  # x0.94 at 64 streams
+    assert not any(loses[:2]) and 0.9 < gain.gain(64) < 1.0
+    probes = 400 // (PROBE_EVERY + PROBE_STEPS)  # the first drafting step, then a probe now and then
+    assert PROBE_STEPS * (probes - 1) <= loses.count(True) <= 1 + PROBE_STEPS * (probes + 1)
+    assert _drive(gain, 1, 1, 0.005, (3, 0.008, 4)) == [True]  # each batch size keeps its own verdict
+
+    recovers = _drive(gain, 64, 400, plain_seconds=0.06, drafting=(250, 0.12, 256))  # the text turned repetitive
+    assert recovers[-100:].count(True) >= 100 - (100 // REFRESH_EVERY + 1) and gain.gain(64) > 1.5
+
+
+def test_the_realised_gain_is_a_ratio_of_sums_with_one_off_costs_capped():
+    """Half the drafting steps keep their whole draft (5 tokens for 1.6 plain steps), half keep none
+    (1 token for 1.6): x1.9 and x0.6, together x1.25 (a mean of logs would say x1.07). A first step
+    paying a one-off second counts as at most CLIP times its rows at the plain price."""
+    from tokenmill.engine.spec.gain import CLIP, RealisedGain
+
+    gain = RealisedGain()
+    _drive(gain, 1, 2, 0.005, (1, 0.008, 4))
+    gain.observe(1, True, 1, 1.0, 4)  # one-off: capped at CLIP * 5 plain steps
+    assert gain.gain(1) == pytest.approx(1 / (CLIP * 5))
+    for i in range(400):
+        gain.observe(1, True, 5 if i % 2 else 1, 0.008, 4)
+    assert gain.gain(1) == pytest.approx(3 * 0.005 / 0.008, rel=0.1)
+
+
+def test_the_realised_check_compares_at_the_same_batch_size():
+    """As sequences finish the batch shrinks: a drafting step is compared with plain steps near its
+    own size (within 1/8), and a size with none nearby measures plain first."""
+    from tokenmill.engine.spec.gain import PlainCost, RealisedGain
+
+    cost = PlainCost()
+    cost.observe(64, 0.06)
+    assert cost(64) is None  # one step may carry one-off costs
+    cost.observe(64, 0.07)
+    cost.observe(64, 0.50)
+    assert cost(64) == 0.07  # the median of the recent ones
+    assert cost(60) == pytest.approx(0.07 * 60 / 64) and cost(70) == 0.07  # scaled down only
+    assert cost(40) is None and cost(80) is None
+    gain = RealisedGain()
+    _drive(gain, 64, 40, 0.06, (150, 0.09, 200))
+    assert gain.drafts(64) and not gain.drafts(40)
+
+
+def test_plain_steps_skip_the_proposer(tiny_dir):
+    """Where the realised check runs a plain step, the proposer is not even asked (its lookups are
+    part of what drafting costs); with adaptive drafting off every step drafts."""
+    from tokenmill.engine.spec.gain import PLAIN_MIN_SAMPLES
+
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", speculative_method="ngram")
+    drafter = llm.engine.drafter
+    calls = []
+    propose = drafter.proposer.propose
+    drafter.proposer.propose = lambda seqs, k: calls.append(len(seqs)) or propose(seqs, k)
+    prompt = [3, 4] * 40
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    decode_steps = sum(s.num_batched_tokens == s.num_scheduled + s.num_draft_tokens for s in llm.engine.stats)
+    assert 0 < len(calls) <= decode_steps - PLAIN_MIN_SAMPLES  # the first steps measure plain decoding
+    assert drafter.counters.num_accepted_tokens > 0
+    fixed = LLM(str(tiny_dir), dtype="float32", device="cpu", speculative_method="ngram",
+                speculative_adaptive=False)
+    calls.clear()
+    fixed.engine.drafter.proposer.propose = lambda seqs, k: calls.append(len(seqs)) or propose(seqs, k)
+    fixed.generate([prompt], params, use_tqdm=False)
+    decode_steps = sum(s.num_batched_tokens == s.num_scheduled + s.num_draft_tokens for s in fixed.engine.stats)
+    assert len(calls) >= decode_steps - 1  # every decoding step but the one that finishes on max_tokens
+
+
 def test_ngram_drafts_from_the_same_tenants_recent_outputs_only():
     """A sequence with no match of its own looks in what its tenant's last sequences produced;
     another tenant's text is never searched."""

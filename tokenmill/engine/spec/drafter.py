@@ -19,9 +19,11 @@ of worth while they raise tokens / second; under load a step's time grows with e
 the drafts shrink to none. A sequence left without a draft drifts back toward the pooled
 acceptance rate, and every ``PROBE_EVERY`` steps each eligible sequence drafts one token whatever
 the estimates say: a rate or a cost measured on a bad moment is measured again, at the price of
-one cheap draft token per sequence every ``PROBE_EVERY`` steps. Last, the realised check: per
-decoding-batch size, the tokens per second of steps with drafts and of steps without are tracked;
-where drafting steps do worse, whatever the model predicted, only probe steps draft.
+one cheap draft token per sequence every ``PROBE_EVERY`` steps. Last, the realised check
+(gain.py): per decoding-batch size, drafting steps are measured against plain steps at the same
+size (which run without the proposer), and where drafting does worse, whatever the model
+predicted, steps run plain, with a drafting probe now and then. Without ``speculative_adaptive``
+every step drafts.
 """
 
 from __future__ import annotations
@@ -36,13 +38,10 @@ import torch
 from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.engine.request import Sequence, SequenceStatus
 from tokenmill.engine.spec.cost import Acceptance, CostCurve
+from tokenmill.engine.spec.gain import RealisedGain
 from tokenmill.engine.spec.proposer import Proposer
 
 PROBE_EVERY = 128
-
-
-def _batch_bucket(n: int) -> int:
-    return n.bit_length()  # 1, 2-3, 4-7, 8-15, ...
 
 
 @dataclass
@@ -70,8 +69,9 @@ class Drafter:
         self._drafting: set[str] = set()
         self._steps = 0
         self._draft_seconds = 0.0
-        self._realised: dict[int, list[float | None]] = {}
-        """Decoding-batch bucket -> [tokens/s of steps without drafts, of steps with drafts] (EMA)."""
+        self.realised = RealisedGain()
+        self._proposed = False
+        """The proposer ran before this step (a drafting step, for the realised check)."""
 
     # ---- before the step ------------------------------------------------------------------------
     @staticmethod
@@ -87,11 +87,11 @@ class Drafter:
         for seq_id in self._drafting - alive:
             self.release(seq_id)
         seqs, caps = [], []
-        decoding = 0
+        decoding = sum(seq.num_tokens - seq.num_computed_tokens == 1 for seq in running)
+        plain = self.config.speculative_adaptive and not self.realised.drafts(decoding)
         for seq in running:
             seq.draft_token_ids, seq.draft_probs = [], None
-            decoding += seq.num_tokens - seq.num_computed_tokens == 1
-            if not self.eligible(seq):
+            if plain or not self.eligible(seq):
                 continue
             room = max_model_len - seq.num_tokens  # drafted positions num_tokens .. must stay in the window
             max_tokens = seq.sampling.params.max_tokens
@@ -101,6 +101,7 @@ class Drafter:
             if cap > 0:
                 seqs.append(seq)
                 caps.append(cap)
+        self._proposed = bool(seqs)
         if not seqs:
             self._draft_seconds = 0.0
             return
@@ -125,8 +126,6 @@ class Drafter:
             return caps
         if self._steps % PROBE_EVERY == 0:
             return [min(1, c) for c in caps]
-        if self._drafting_loses(base_worth):
-            return [0] * len(caps)
         rates = [self.acceptance.rate(seq.seq_id) for seq in seqs]
         # every candidate draft token, most valuable first: (-worth, sequence index, position)
         heap = [(-rates[i], i, 1) for i in range(len(seqs)) if caps[i] > 0 and rates[i] > 0]
@@ -161,18 +160,9 @@ class Drafter:
         time drafting, the forward pass, sampling and verification took, and (for the realised
         check) how many sequences decoded and how many tokens they got."""
         self.step_cost.observe(num_batched_tokens, seconds - self._draft_seconds)
-        if num_decoding and seconds > 0:
-            drafted = num_batched_tokens > num_decoding
-            rates = self._realised.setdefault(_batch_bucket(num_decoding), [None, None])
-            rate = produced / seconds
-            old = rates[drafted]
-            rates[drafted] = rate if old is None else 0.8 * old + 0.2 * rate
-
-    def _drafting_loses(self, num_decoding: int) -> bool:
-        """Realised tokens per second at this batch size: steps with drafts below steps without
-        (whatever the model predicted). Then only probe steps draft."""
-        plain, drafting = self._realised.get(_batch_bucket(num_decoding), (None, None))
-        return plain is not None and drafting is not None and drafting < plain
+        if num_decoding:
+            self.realised.observe(num_decoding, self._proposed, produced, seconds,
+                                  num_batched_tokens - num_decoding)
 
     @property
     def last_draft_seconds(self) -> float:

@@ -1,0 +1,131 @@
+"""Whether drafting pays at the current batch size, measured rather than predicted.
+
+The draft-length model (drafter.py, cost.py) prices draft tokens from a cost curve; a price can be
+wrong (a size never measured looks as cheap as the largest one measured, steps are noisy, the
+proposer's own time is outside the curve), and under load a wrong price makes speculation slower
+than plain decoding. :class:`RealisedGain` is the check on it, by batch size:
+
+- **plain steps** run without the proposer (nothing drafted, nothing looked up) and measure what
+  a decode step over ``n`` decoding sequences costs: :class:`PlainCost`, the median of the recent
+  plain steps within 1/8 of ``n``;
+- **drafting steps** (the proposer ran; some sequences may have got no draft) each give a realised
+  gain: the tokens they produced per decoding sequence, times the plain step's cost at the same
+  ``n`` over the drafting step's own time (proposer, forward pass, verification). A gain of 1 is
+  what plain decoding would have done in the same time;
+- per batch bucket (1, 2-3, 4-7, ...), the gain of the recent drafting steps together (exponential
+  averages of what they produced, in plain-step seconds, and of what they took: a ratio of sums,
+  since a step that keeps its whole draft pays for several that keep nothing) decides the mode:
+  drafting while it is at least 1, plain steps otherwise, with a probe of ``PROBE_STEPS`` drafting
+  steps every ``PROBE_EVERY`` steps so that a change (another workload, a smaller batch) is seen
+  again. A step's time counts at most ``CLIP`` times what its rows would cost at the plain step's
+  price per row: a first step at a new shape can pay one-off costs.
+
+A drafting bucket still runs a plain step every ``REFRESH_EVERY`` of its steps, and whenever no
+plain step has been measured near the current ``n``, so the gain is always against a fresh plain
+cost (the batch shrinks as sequences finish). The price of measuring: at most one step in
+``REFRESH_EVERY`` undrafted where drafting wins, ``PROBE_STEPS`` in ``PROBE_EVERY`` drafted where
+it loses.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+REFRESH_EVERY = 32
+"""Steps of a drafting bucket between two plain steps."""
+PROBE_EVERY = 24
+"""Plain steps of a losing bucket between two probes..."""
+PROBE_STEPS = 4
+"""... of this many drafting steps."""
+CLIP = 1.5
+"""A drafting step's time counts as at most this times (n + verified) / n plain steps."""
+PLAIN_MEDIAN_OF = 3
+"""A plain cost is the median of this many recent plain steps near the size..."""
+PLAIN_MIN_SAMPLES = 2
+"""... once there are this many (a first step at a new size can pay one-off costs)."""
+_EMA = 0.25
+"""Weight of the newest gain in a bucket's average."""
+
+
+def batch_bucket(n: int) -> int:
+    return n.bit_length()  # 1, 2-3, 4-7, 8-15, ...
+
+
+class PlainCost:
+    """Seconds of a plain decode-only step by its number of decoding sequences."""
+
+    def __init__(self) -> None:
+        self._recent: dict[int, list[float]] = {}
+
+    def observe(self, n: int, seconds: float) -> None:
+        if n > 0 and seconds > 0:
+            recent = self._recent.setdefault(n, [])
+            recent.append(seconds)
+            del recent[:-PLAIN_MEDIAN_OF]
+
+    def __call__(self, n: int) -> float | None:
+        """The recent plain steps at the measured size nearest ``n`` (within n / 8, at least 1), or
+        None where there are fewer than PLAIN_MIN_SAMPLES."""
+        near = [m for m in self._recent if abs(m - n) <= max(1, n // 8)]
+        if not near:
+            return None
+        nearest = min(near, key=lambda m: (abs(m - n), -m))
+        recent = self._recent[nearest]
+        if len(recent) < PLAIN_MIN_SAMPLES:
+            return None
+        # scaled down in proportion (a step's cost grows at most so), never up: both err on plain's side
+        return statistics.median(recent) * min(n, nearest) / nearest
+
+
+class RealisedGain:
+    def __init__(self) -> None:
+        self.plain = PlainCost()
+        self._worth: dict[int, list[float]] = {}
+        """Bucket -> exponential averages of its drafting steps' [produced tokens per sequence times the
+        plain step's seconds, seconds taken]."""
+        self._since: dict[int, int] = {}
+        """Bucket -> steps since its last plain step (winning) or its last probe (losing)."""
+        self._probe: dict[int, int] = {}
+        """Bucket -> drafting steps left in the probe under way (losing)."""
+
+    def drafts(self, n: int) -> bool:
+        """Whether a step with ``n`` decoding sequences runs the proposer (else: a plain step)."""
+        if n <= 0 or self.plain(n) is None:
+            return False  # measure what drafting is compared with first
+        b = batch_bucket(n)
+        if self.gain(n) >= 1.0:
+            return self._since.get(b, 0) < REFRESH_EVERY
+        return self._probe.get(b, 0) > 0 or self._since.get(b, 0) >= PROBE_EVERY
+
+    def gain(self, n: int) -> float:
+        """The bucket's realised gain so far (1.0 before any drafting step there: try it)."""
+        worth, seconds = self._worth.get(batch_bucket(n), (1.0, 1.0))
+        return worth / seconds
+
+    def observe(self, n: int, drafted: bool, produced: int, seconds: float, verified: int = 0) -> None:
+        """A decode-only step over ``n`` sequences: whether the proposer ran, the tokens produced,
+        its whole time (proposer included), and how many drafted tokens it verified. A probe step
+        with nothing to verify (the proposer found nothing) tells nothing of what drafting is worth;
+        a drafting step of a winning bucket with nothing to verify counts (its lookups cost)."""
+        if n <= 0 or not seconds > 0:
+            return
+        b = batch_bucket(n)
+        losing = self.gain(n) < 1.0
+        if not drafted:
+            self.plain.observe(n, seconds)
+            self._since[b] = self._since.get(b, 0) + 1 if losing else 0
+            return
+        if losing:
+            if self._probe.get(b, 0) == 0:
+                self._probe[b] = PROBE_STEPS  # a probe starts
+            self._probe[b] -= 1
+            self._since[b] = 0
+        else:
+            self._probe[b] = 0
+            self._since[b] = self._since.get(b, 0) + 1
+        plain = self.plain(n)
+        if plain is None or produced <= 0 or (losing and not verified):
+            return
+        sample = (produced / n * plain, min(seconds, CLIP * plain * (n + verified) / n))
+        old = self._worth.get(b)
+        self._worth[b] = list(sample) if old is None else [(1 - _EMA) * o + _EMA * x for o, x in zip(old, sample)]

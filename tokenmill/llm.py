@@ -22,7 +22,7 @@ from tokenmill.engine import (
     SpeculativeConfig,
 )
 from tokenmill.errors import InvalidParameterError
-from tokenmill.loader import load_model
+from tokenmill.loader import load_draft, load_model
 from tokenmill.options import option_fields, options_doc, split_options
 from tokenmill.sampling_params import SamplingParams
 
@@ -56,8 +56,8 @@ class LLM:
         self.device = loaded.model.embed.weight.device
         self.dtype = loaded.model.embed.weight.dtype
         spec = engine_config.speculative
-        draft = None if spec.speculative_method != "draft" else load_model(
-            spec.draft_model, load_config.dtype, load_config.device, load_config.cache_dir)
+        draft = None if spec.speculative_method != "draft" else load_draft(
+            spec.draft_model, load_config.dtype, load_config.device, load_config.cache_dir, self.dtype)
         self.engine = LLMEngine(loaded, self.device, engine_config, draft)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams

@@ -71,6 +71,21 @@ def load_model(model: str | os.PathLike | ModelSource | None = None, dtype: str 
     return loaded
 
 
+def load_draft(model: str | os.PathLike, dtype: str | torch.dtype, device: str | torch.device,
+               cache_dir: str | os.PathLike | None, target_dtype: torch.dtype) -> LoadedModel:
+    """A speculative draft model for a target that computes in ``target_dtype``. With ``dtype``
+    "auto", a GGUF draft runs as stored (as a GGUF target does) and any other draft in the target's
+    activation dtype: a float32 draft beside a bfloat16 target would read twice the bytes per
+    token for guesses the target checks anyway. An explicit ``dtype`` is used as given."""
+    if _is_auto(dtype):
+        source = resolve_model(model, Path(cache_dir) if cache_dir else default_cache_dir())
+        if source.format != "gguf":
+            logger.info("draft %s: loaded in the target's %s", source.name, str(target_dtype).removeprefix("torch."))
+            return load_model(source, target_dtype, device, cache_dir)
+        model = source
+    return load_model(model, dtype, device, cache_dir)
+
+
 def _unstructured_pruned(path: Path) -> bool:
     """Whether ``path``'s config.json says ``tokenmill prune`` zeroed weights in it (not structured pruning)."""
     import json

@@ -270,6 +270,18 @@ def test_unseeded_sampling_with_a_draft_model_runs_rejection_sampling_and_frees_
     assert engine.num_used_blocks == 0 and engine.drafter.proposer.num_used_blocks == 0
 
 
+def test_a_draft_loads_in_the_targets_activation_dtype(draft_dir):
+    """dtype "auto": an HF-directory draft computes in the target's activation dtype (beside a GGUF
+    target run as stored, bfloat16), not in float32; an explicit dtype is kept."""
+    import torch
+
+    from tokenmill.loader import load_draft
+
+    assert load_draft(str(draft_dir), "auto", "cpu", None, torch.bfloat16).model.embed.weight.dtype == torch.bfloat16
+    assert load_draft(str(draft_dir), "auto", "cpu", None, torch.float32).model.embed.weight.dtype == torch.float32
+    assert load_draft(str(draft_dir), "float32", "cpu", None, torch.bfloat16).model.embed.weight.dtype == torch.float32
+
+
 def test_a_draft_model_with_another_tokenizer_is_refused(tiny_dir):
     with pytest.raises(InvalidParameterError, match="does not share the target's tokenizer: vocabulary of 49152"):
         LLM(str(tiny_dir), dtype="float32", device="cpu",

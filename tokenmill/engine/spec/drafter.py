@@ -101,11 +101,14 @@ class Drafter:
             if cap > 0:
                 seqs.append(seq)
                 caps.append(cap)
+        start = time.perf_counter()
+        if seqs and self.proposer.cheap and not any(self._sizes(seqs, caps, min(decoding, budget), decoding,
+                                                                relax=False)):
+            seqs = []  # no draft of any length would pay: a plain step, without the lookups
         self._proposed = bool(seqs)
         if not seqs:
             self._draft_seconds = 0.0
             return
-        start = time.perf_counter()
         if self.proposer.cheap:  # look up first, then size what was found
             drafts = self.proposer.propose(seqs, caps)
             sizes = self._sizes(seqs, [len(d.token_ids) for d in drafts], min(decoding, budget), decoding)
@@ -119,9 +122,12 @@ class Drafter:
                 seq.draft_probs = draft.probs
         self._draft_seconds = time.perf_counter() - start
 
-    def _sizes(self, seqs: list[Sequence], caps: list[int], base_tokens: int, base_worth: int) -> list[int]:
+    def _sizes(self, seqs: list[Sequence], caps: list[int], base_tokens: int, base_worth: int,
+               relax: bool = True) -> list[int]:
         """Draft length per sequence (at most its cap) that maximises expected tokens per second;
-        without drafts the step runs ``base_tokens`` and yields ``base_worth`` tokens."""
+        without drafts the step runs ``base_tokens`` and yields ``base_worth`` tokens. (Asked twice in a
+        step of a cheap proposer: with the caps, whether any draft would pay, then with what it found;
+        ``relax``: sequences left without a draft drift toward the pooled rate, once a step.)"""
         if not self.config.speculative_adaptive or not self.step_cost.known:
             return caps
         if self._steps % PROBE_EVERY == 0:
@@ -143,7 +149,7 @@ class Drafter:
             if seconds > 0 and worth / seconds > best:
                 best, best_sizes = worth / seconds, list(sizes)
         for seq, n in zip(seqs, best_sizes):
-            if n == 0:
+            if n == 0 and relax:
                 self.acceptance.relax(seq.seq_id)
         return best_sizes
 

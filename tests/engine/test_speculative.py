@@ -335,21 +335,26 @@ def _drive(gain, n: int, steps: int, plain_seconds: float, drafting: tuple[int, 
 def test_the_realised_check_drafts_where_it_pays_and_stops_where_it_loses():
     """Plain steps measure the cost first; where drafting steps produce more tokens per second than
     plain ones it keeps drafting, with a plain step every REFRESH_EVERY; where they produce fewer
-    (a verification dearer than the tokens it brings), only probes of PROBE_STEPS draft."""
-    from tokenmill.engine.spec.gain import PROBE_EVERY, PROBE_STEPS, REFRESH_EVERY, RealisedGain
+    (a verification dearer than the tokens it brings), only probes of PROBE_STEPS draft, further and
+    further apart while they keep losing."""
+    from tokenmill.engine.spec.gain import PROBE_EVERY, PROBE_EVERY_MAX, PROBE_STEPS, REFRESH_EVERY, RealisedGain
 
     gain = RealisedGain()
     wins = _drive(gain, 1, 200, plain_seconds=0.005, drafting=(3, 0.008, 4))  # x1.9 at batch 1
     assert wins[:2] == [False, False] and all(wins[2:2 + REFRESH_EVERY])
     assert wins.count(False) <= 2 + 200 // REFRESH_EVERY and gain.gain(1) > 1.5
 
-    loses = _drive(gain, 64, 400, plain_seconds=0.06, drafting=(150, 0.15, 200))  # x0.94 at 64 streams
+    loses = _drive(gain, 64, 3000, plain_seconds=0.06, drafting=(150, 0.15, 200))  # x0.94 at 64 streams
     assert not any(loses[:2]) and 0.9 < gain.gain(64) < 1.0
-    probes = 400 // (PROBE_EVERY + PROBE_STEPS)  # the first drafting step, then a probe now and then
-    assert PROBE_STEPS * (probes - 1) <= loses.count(True) <= 1 + PROBE_STEPS * (probes + 1)
+    starts = [i for i in range(1, len(loses)) if loses[i] and not loses[i - 1]]  # probes
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:2] == [PROBE_EVERY, 2 * PROBE_EVERY + PROBE_STEPS]  # after the first try; each losing probe:
+    assert gaps == sorted(gaps)  # a longer wait
+    assert gaps[-1] == PROBE_EVERY_MAX + PROBE_STEPS and len(starts) > 6  # ... up to a cap, never stopping
+    assert sum(loses) <= 1 + PROBE_STEPS * len(starts)
     assert _drive(gain, 1, 1, 0.005, (3, 0.008, 4)) == [True]  # each batch size keeps its own verdict
 
-    recovers = _drive(gain, 64, 400, plain_seconds=0.06, drafting=(250, 0.12, 256))  # the text turned repetitive
+    recovers = _drive(gain, 64, PROBE_EVERY_MAX + 200, plain_seconds=0.06, drafting=(250, 0.12, 256))  # repetitive now
     assert recovers[-100:].count(True) >= 100 - (100 // REFRESH_EVERY + 1) and gain.gain(64) > 1.5
 
 

@@ -16,15 +16,16 @@ than plain decoding. :class:`RealisedGain` is the check on it, by batch size:
   averages of what they produced, in plain-step seconds, and of what they took: a ratio of sums,
   since a step that keeps its whole draft pays for several that keep nothing) decides the mode:
   drafting while it is at least 1, plain steps otherwise, with a probe of ``PROBE_STEPS`` drafting
-  steps every ``PROBE_EVERY`` steps so that a change (another workload, a smaller batch) is seen
-  again. A step's time counts at most ``CLIP`` times what its rows would cost at the plain step's
+  steps after ``PROBE_EVERY`` plain ones so that a change (another workload, a smaller batch) is
+  seen again; each probe that finds drafting still losing doubles the wait, up to
+  ``PROBE_EVERY_MAX``. A step's time counts at most ``CLIP`` times what its rows would cost at the plain step's
   price per row: a first step at a new shape can pay one-off costs.
 
 A drafting bucket still runs a plain step every ``REFRESH_EVERY`` of its steps, and whenever no
 plain step has been measured near the current ``n``, so the gain is always against a fresh plain
 cost (the batch shrinks as sequences finish). The price of measuring: at most one step in
-``REFRESH_EVERY`` undrafted where drafting wins, ``PROBE_STEPS`` in ``PROBE_EVERY`` drafted where
-it loses.
+``REFRESH_EVERY`` undrafted where drafting wins; where it loses, ``PROBE_STEPS`` drafted in
+``PROBE_EVERY`` at first, in ``PROBE_EVERY_MAX`` once it has lost for a while.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ import statistics
 REFRESH_EVERY = 32
 """Steps of a drafting bucket between two plain steps."""
 PROBE_EVERY = 24
-"""Plain steps of a losing bucket between two probes..."""
+"""Plain steps of a losing bucket before its next probe..."""
 PROBE_STEPS = 4
-"""... of this many drafting steps."""
+"""... of this many drafting steps; each probe that ends still losing doubles the wait, up to..."""
+PROBE_EVERY_MAX = 384
+"""... this many steps (back to PROBE_EVERY once the bucket wins)."""
 CLIP = 1.5
 """A drafting step's time counts as at most this times (n + verified) / n plain steps."""
 PLAIN_MEDIAN_OF = 3
@@ -87,6 +90,8 @@ class RealisedGain:
         """Bucket -> steps since its last plain step (winning) or its last probe (losing)."""
         self._probe: dict[int, int] = {}
         """Bucket -> drafting steps left in the probe under way (losing)."""
+        self._wait: dict[int, int] = {}
+        """Bucket -> plain steps before its next probe (losing)."""
 
     def drafts(self, n: int) -> bool:
         """Whether a step with ``n`` decoding sequences runs the proposer (else: a plain step)."""
@@ -95,7 +100,7 @@ class RealisedGain:
         b = batch_bucket(n)
         if self.gain(n) >= 1.0:
             return self._since.get(b, 0) < REFRESH_EVERY
-        return self._probe.get(b, 0) > 0 or self._since.get(b, 0) >= PROBE_EVERY
+        return self._probe.get(b, 0) > 0 or self._since.get(b, 0) >= self._wait.get(b, PROBE_EVERY)
 
     def gain(self, n: int) -> float:
         """The bucket's realised gain so far (1.0 before any drafting step there: try it)."""
@@ -124,8 +129,11 @@ class RealisedGain:
             self._probe[b] = 0
             self._since[b] = self._since.get(b, 0) + 1
         plain = self.plain(n)
-        if plain is None or produced <= 0 or (losing and not verified):
-            return
-        sample = (produced / n * plain, min(seconds, CLIP * plain * (n + verified) / n))
-        old = self._worth.get(b)
-        self._worth[b] = list(sample) if old is None else [(1 - _EMA) * o + _EMA * x for o, x in zip(old, sample)]
+        if plain is not None and produced > 0 and (verified or not losing):
+            sample = (produced / n * plain, min(seconds, CLIP * plain * (n + verified) / n))
+            old = self._worth.get(b)
+            self._worth[b] = list(sample) if old is None else [(1 - _EMA) * o + _EMA * x for o, x in zip(old, sample)]
+        if self.gain(n) >= 1.0:
+            self._wait[b] = PROBE_EVERY
+        elif losing and self._probe[b] == 0:  # a probe ended, drafting still loses: wait longer
+            self._wait[b] = min(2 * self._wait.get(b, PROBE_EVERY), PROBE_EVERY_MAX)

@@ -18,8 +18,8 @@ than plain decoding. :class:`RealisedGain` is the check on it, by batch size:
   drafting while it is at least 1, plain steps otherwise, with a probe of ``PROBE_STEPS`` drafting
   steps after ``PROBE_EVERY`` plain ones so that a change (another workload, a smaller batch) is
   seen again; each probe that finds drafting still losing doubles the wait, up to
-  ``PROBE_EVERY_MAX``. A step's time counts at most ``CLIP`` times what its rows would cost at the plain step's
-  price per row: a first step at a new shape can pay one-off costs.
+  ``PROBE_EVERY_MAX``. A step's time counts at most ``CLIP`` times what its rows would cost at the
+  plain step's price per row: a first step at a new shape can pay one-off costs.
 
 A drafting bucket still runs a plain step every ``REFRESH_EVERY`` of its steps, and whenever no
 plain step has been measured near the current ``n``, so the gain is always against a fresh plain
@@ -47,7 +47,7 @@ PLAIN_MEDIAN_OF = 3
 PLAIN_MIN_SAMPLES = 2
 """... once there are this many (a first step at a new size can pay one-off costs)."""
 _EMA = 0.25
-"""Weight of the newest gain in a bucket's average."""
+"""Weight of the newest drafting step in a bucket's averages."""
 
 
 def batch_bucket(n: int) -> int:
@@ -81,6 +81,8 @@ class PlainCost:
 
 
 class RealisedGain:
+    """Per decoding-batch bucket: the realised gain of drafting, and whether the next step drafts."""
+
     def __init__(self) -> None:
         self.plain = PlainCost()
         self._worth: dict[int, list[float]] = {}

@@ -437,9 +437,11 @@ def test_ngram_drafts_from_the_same_tenants_recent_outputs_only():
 
 BF16_NEAR_TIE = 0.25
 """A bfloat16 near-tie: logprobs within four bfloat16 steps of a logit in [8, 16). bfloat16 logits
-carry 8 significant bits, so the float32 rule (1e-3) is below their resolution, and the bfloat16
-kernels are not batch-invariant: a decode step and a verification row run the linears at different
-row counts, which round differently (measured: 48 of 64 identical, divergences 0 to 0.25 apart)."""
+carry 8 significant bits, so the float32 rule (1e-3) is below their resolution, and prompt rows are
+not computed alike in the two runs: chunked prefill splits prompts differently once sequences finish
+at other steps, and the prefill and decode attention kernels round differently (measured: 48 of 64
+identical, divergences 0 to 0.25 apart; running every verification as decode rows, the decode
+kernel's arithmetic, leaves it at 48)."""
 
 
 def test_bfloat16_divergences_are_near_ties():

@@ -319,6 +319,20 @@ def test_draft_sizes_follow_the_measured_step_cost():
     assert all(0 < k < 4 for k in mid)
 
 
+def test_the_step_cost_curve_follows_new_measurements():
+    """The curve interpolates between measured sizes (median of the recent ones, from the second), and a
+    new measurement moves it at once (its sorted points are kept only between measurements)."""
+    from tokenmill.engine.spec.cost import CostCurve
+
+    curve = CostCurve()
+    for size, seconds in ((4, 0.010), (4, 0.010), (12, 0.030), (12, 0.030)):
+        curve.observe(size, seconds)
+    assert curve(8) == pytest.approx(0.020) and curve(2) == 0.010 and curve(40) == 0.030
+    for _ in range(3):
+        curve.observe(12, 0.050)
+    assert curve(12) == 0.050 and curve(8) == pytest.approx(0.030)
+
+
 def _drive(gain, n: int, steps: int, plain_seconds: float, drafting: tuple[int, float, int]) -> list[bool]:
     """Run ``steps`` decode steps of ``n`` sequences through the realised check: a plain step takes
     ``plain_seconds``, a drafting one produces ``drafting[0]`` tokens in ``drafting[1]`` seconds,

@@ -38,6 +38,9 @@ class CostCurve:
         """Bucket -> its last MEDIAN_OF measurements (seconds)."""
         self._sizes: dict[int, int] = {}
         """Bucket -> the last size measured in it (where its value sits on the size axis)."""
+        self._points: tuple[list[int], list[float]] | None = None
+        """The curve's (sizes, seconds), sorted by size, until the next measurement: a drafting step
+        asks for hundreds of values (one per candidate draft token) between two measurements."""
 
     def observe(self, size: int, seconds: float) -> None:
         if size <= 0 or not seconds > 0:
@@ -47,6 +50,7 @@ class CostCurve:
         recent.append(seconds)
         del recent[:-MEDIAN_OF]
         self._sizes[b] = size
+        self._points = None
 
     @property
     def known(self) -> bool:
@@ -54,19 +58,21 @@ class CostCurve:
 
     def __call__(self, size: int) -> float:
         """Estimated seconds at ``size`` (0 before any measurement)."""
-        points = sorted((self._sizes[b], statistics.median(v)) for b, v in self._recent.items()
-                        if len(v) >= MIN_SAMPLES)
-        if not points:
+        if self._points is None:
+            points = sorted((self._sizes[b], statistics.median(v)) for b, v in self._recent.items()
+                            if len(v) >= MIN_SAMPLES)
+            self._points = [x for x, _ in points], [y for _, y in points]
+        xs, ys = self._points
+        if not xs:
             return 0.0
-        xs = [x for x, _ in points]
         i = bisect.bisect_left(xs, size)
         if i < len(xs) and xs[i] == size:
-            return points[i][1]
+            return ys[i]
         if i == 0:
-            return points[0][1]
+            return ys[0]
         if i == len(xs):
-            return points[-1][1]
-        (x0, y0), (x1, y1) = points[i - 1], points[i]
+            return ys[-1]
+        x0, y0, x1, y1 = xs[i - 1], ys[i - 1], xs[i], ys[i]
         return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
 
 

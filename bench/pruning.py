@@ -116,8 +116,9 @@ def quality(path: Path, ppl_tokens: int) -> dict:
     cached = path / f"bench_quality_{ppl_tokens}.json"
     weights = (path / "model.safetensors").stat()
     stamp = f"{weights.st_size}:{weights.st_mtime_ns}"  # a directory written again is measured again
-    if cached.exists() and json.loads(cached.read_text()).get("weights") == stamp:
-        return {**json.loads(cached.read_text()), "linear_zero_fraction": zero_fraction(path)}
+    row = json.loads(cached.read_text()) if cached.exists() else {}
+    if row.get("weights") == stamp:
+        return {**row, "linear_zero_fraction": zero_fraction(path)}
     loaded = load_model(str(path), torch.bfloat16, "cpu")
     ids = read_tokens(loaded.tokenizer, fetch_corpus(), ppl_tokens)
     ppl = perplexity(loaded.model, ids, context=512, stride=256, progress=False)

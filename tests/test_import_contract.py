@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"tokenmill.kernels"},                         # C++ CPU kernels and the one place that picks them
     {"tokenmill.loading"},                         # sources, GGUF, safetensors, tokenizer, checkpoints
     {"tokenmill.attention"},                       # KV storage, step metadata, the backend
+    {"tokenmill.lora"},                            # LoRA adapters: reading them, serving slots, the registry
     {"tokenmill.models"},                          # layers, families, model construction
     {"tokenmill.training"},                        # the training loop QAT, speculative heads, ... share
     {"tokenmill.engine"},                          # scheduler, KV manager, runner, sampler, LLMEngine
@@ -32,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"tokenmill.quantization"},                    # quantized weights, methods, checkpoints
     {"tokenmill.pruning"},                         # sparse and structured pruning, the sparse kernel's layer
     {"tokenmill.distillation"},                    # teacher -> student training (KD, acceptance, QAD)
+    {"tokenmill.finetune"},                        # LoRA fine-tuning from JSON-lines records
     {"tokenmill.loader"},                          # the facade: any model argument to a loaded model
     {"tokenmill.llm"},                             # the offline API
     {"tokenmill.spec_heads"},                      # training speculative heads on the model's own text

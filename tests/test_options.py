@@ -150,4 +150,4 @@ def test_every_option_field_has_a_one_line_help() -> None:
         for f in fields:
             assert f.metadata["help"] and "\n" not in f.metadata["help"], (cls.__name__, f.name)
         plain = [f.name for f in dataclasses.fields(cls) if "help" not in f.metadata]
-        assert plain in ([], ["scheduler", "cache", "speculative"]), (cls.__name__, plain)
+        assert plain in ([], ["scheduler", "cache", "speculative", "lora"]), (cls.__name__, plain)

@@ -60,21 +60,39 @@ class LLM:
             spec.draft_model, load_config.dtype, load_config.device, load_config.cache_dir, self.dtype)
         self.engine = LLMEngine(loaded, self.device, engine_config, draft)
 
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Load the LoRA adapter at ``path`` (a PEFT directory or a GGUF LoRA file) as ``name``, for
+        ``generate(..., lora=name)`` (needs ``enable_lora=True``). ``replace``: a name already loaded
+        takes the new weights."""
+        if self.engine.lora is None:
+            raise InvalidParameterError("this LLM serves no adapters: create it with enable_lora=True")
+        self.engine.lora.load(name, path, replace=replace)
+
+    def unload_lora(self, name: str) -> None:
+        if self.engine.lora is None:
+            raise InvalidParameterError("this LLM serves no adapters: create it with enable_lora=True")
+        self.engine.lora.unload(name)
+
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams
                  | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order.
 
-        ``priority``: one per prompt, lower first."""
+        ``priority``: one per prompt, lower first. ``lora``: the adapter (loaded by :meth:`load_lora`)
+        every prompt runs with, or one per prompt (None: the base model)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise InvalidParameterError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise InvalidParameterError(f"got {len(adapters)} adapters for {len(prompts)} prompts")
         outputs: dict[str, OutputAccumulator] = {}
         try:
-            for prompt, sp, rank in zip(prompts, params, priorities):
-                request = self.engine.add_request(prompt, sp, priority=rank)
+            for prompt, sp, rank, adapter in zip(prompts, params, priorities, adapters):
+                request = self.engine.add_request(prompt, sp, priority=rank, lora=adapter)
                 outputs[request.request_id] = OutputAccumulator(
                     request.request_id, request.prompt, request.prompt_token_ids, sp.n, sp.logprobs is not None,
                     sp.prompt_logprobs is not None)

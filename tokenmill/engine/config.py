@@ -20,6 +20,7 @@ import torch
 from tokenmill.attention.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from tokenmill.config import Config
 from tokenmill.errors import InvalidParameterError
+from tokenmill.lora.config import LoRAConfig
 from tokenmill.options import add_option_group, from_namespace, option, split_options
 
 
@@ -151,6 +152,7 @@ class EngineConfig(Config):
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -163,19 +165,20 @@ class EngineConfig(Config):
 
     @classmethod
     def from_parts(cls, own: dict[str, Any], scheduler: dict[str, Any], cache: dict[str, Any],
-                   speculative: dict[str, Any]) -> EngineConfig:
+                   speculative: dict[str, Any], lora: dict[str, Any]) -> EngineConfig:
         """From the option dicts of each class of ENGINE_OPTIONS, in its order (``split_options``)."""
         return cls(**own, scheduler=SchedulerConfig(**scheduler), cache=CacheConfig(**cache),
-                   speculative=SpeculativeConfig(**speculative))
+                   speculative=SpeculativeConfig(**speculative), lora=LoRAConfig(**lora))
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EngineConfig:
         return from_namespace(cls, args, scheduler=from_namespace(SchedulerConfig, args),
                               cache=from_namespace(CacheConfig, args),
-                              speculative=from_namespace(SpeculativeConfig, args))
+                              speculative=from_namespace(SpeculativeConfig, args),
+                              lora=from_namespace(LoRAConfig, args))
 
 
-ENGINE_OPTIONS = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig)
+ENGINE_OPTIONS = (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig, LoRAConfig)
 """The classes whose fields are the engine's flat options, in the order entry points list them."""
 
 

@@ -37,6 +37,8 @@ from tokenmill.engine.stats import EngineSnapshot, StepStats
 from tokenmill.engine.stop_checker import check_stop, stream_safe_length
 from tokenmill.errors import InvalidParameterError
 from tokenmill.loading.detokenizer import IncrementalDetokenizer
+from tokenmill.lora.adapter import LoRAAdapter
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.builder import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 
@@ -54,8 +56,11 @@ class LLMEngine:
                                  loaded.config.max_position_embeddings)
         self.kv, cache = self._init_kv_cache(loaded, config.cache, device)
         self.limits = PromptLimits(loaded.config.vocab_size, self.max_model_len, self.kv_capacity_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(loaded.model, cache, device)
+        self.lora = LoRAManager(config.lora, loaded.config, loaded.model.embed.weight.dtype, device) \
+            if config.lora.enable_lora else None
+        """The LoRA adapters (``enable_lora``), else None."""
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.lora.max_loras if self.lora else 0)
+        self.runner = ModelRunner(loaded.model, cache, device, self.lora.slots if self.lora else None)
         self.sampler = Sampler(loaded.config.vocab_size, seed=config.seed)
         self.drafter = build_drafter(config.speculative, loaded, draft, self.sampler,
                                      self.kv_capacity_tokens + config.scheduler.max_num_seqs
@@ -94,16 +99,26 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    lora: str | LoRAAdapter | None = None) -> Request:
+        """``lora``: the adapter it runs with, by name (loaded with ``self.lora.load``) or as the
+        object; None runs the base model."""
         params = params or SamplingParams()
+        adapter = self._adapter(lora)
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self.limits.check(ids)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
         now = time.monotonic()
+        if adapter is not None:  # a different adapter's KV differs: never shared through the prefix cache
+            cache_salt = f"{cache_salt}\0lora:{adapter.content_hash}"
         sequences = [self._new_sequence(request_id, i, ids, params, priority, cache_salt, now)
                      for i in range(params.n)]
+        for seq in sequences:
+            seq.lora = adapter
+            if adapter is not None:
+                self.lora.acquire(adapter, seq.seq_id)
         request = Request(request_id, text, ids, params, sequences, arrival_time=now)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
@@ -112,6 +127,14 @@ class LLMEngine:
         if len(sequences) > 1:
             self._parked[request_id] = sequences[1:]
         return request
+
+    def _adapter(self, lora: str | LoRAAdapter | None) -> LoRAAdapter | None:
+        if lora is None:
+            return None
+        if self.lora is None:
+            raise InvalidParameterError(f"LoRA adapter {getattr(lora, 'name', lora)!r} asked for, but this engine "
+                                        "serves no adapters (enable_lora)", param="model")
+        return lora if isinstance(lora, LoRAAdapter) else self.lora.get(lora)
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams, priority: int,
                       cache_salt: str | None, now: float) -> Sequence:
@@ -139,6 +162,11 @@ class LLMEngine:
         self.scheduler.finish(seq)
         if self.drafter is not None:
             self.drafter.finish(seq)
+        self._release_lora(seq)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora is not None:
+            self.lora.release(seq.lora, seq.seq_id)
 
     WARM_UP_REQUEST_ID = "__warm_up__"
 
@@ -186,7 +214,9 @@ class LLMEngine:
         return EngineSnapshot(len(self.scheduler.running), self.scheduler.num_waiting, self.num_used_blocks,
                               self.kv.usage, prefix.queries, prefix.hits, self.scheduler.num_preemptions,
                               *self._spec_totals(), c.num_drafts if c else 0,
-                              tuple(c.accepted_per_position) if c else ())
+                              tuple(c.accepted_per_position) if c else (),
+                              len({id(s.lora) for s in self.scheduler.running if s.lora is not None}),
+                              len(self.lora.list()) if self.lora else 0)
 
     def _spec_totals(self) -> tuple[int, int]:
         """(drafted, kept) tokens so far; (0, 0) without speculative decoding."""
@@ -230,12 +260,14 @@ class LLMEngine:
     def _run(self, scheduled: list[ScheduledSequence], changed: dict[str, Request]) -> None:
         for group, pairs in enumerate(self.kv.take_pending_copies()):
             self.runner.cache.copy_blocks(group, pairs)
+        slots = self.lora.activate([s.seq.lora for s in scheduled if s.seq.lora is not None]) if self.lora else {}
         inputs = []
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             inputs.append(SequenceInput(seq.tokens_with_draft()[start:start + item.num_new_tokens], start,
                                         self.kv.block_table(seq.seq_id), item.completes,
-                                        self._wants_prompt_logprobs(item), 1 + item.num_draft))
+                                        self._wants_prompt_logprobs(item), 1 + item.num_draft,
+                                        slots[id(seq.lora)] if seq.lora is not None else -1))
         wants_hidden = self.drafter is not None and self.drafter.wants_hidden
         result = self.runner.execute(inputs, with_hidden=wants_hidden)
         if wants_hidden:
@@ -341,6 +373,7 @@ class LLMEngine:
         request = self.requests[seq.request_id]
         for sibling in self._parked.pop(seq.request_id, []):
             sibling.status = SequenceStatus.FINISHED_ERROR
+            self._release_lora(sibling)
         self._finish(seq)
         changed[request.request_id] = request
 

@@ -34,6 +34,7 @@ from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import layer_groups
 from tokenmill.engine.config import CacheConfig
 from tokenmill.errors import InvalidParameterError
+from tokenmill.lora.slots import LoRABatch, LoRASlots
 from tokenmill.models.base import CausalLM
 
 
@@ -63,6 +64,8 @@ class SequenceInput:
     num_sample_rows: int = 1
     """With ``samples``: the logits of this many last new tokens (a drafting sequence verifies
     each of its drafted tokens and samples after the last: 1 + drafts)."""
+    lora_slot: int = -1
+    """The slot of its LoRA adapter in the runner's ``lora_slots``; -1: the base model alone."""
 
 
 @dataclass
@@ -81,8 +84,11 @@ class RunnerOutput:
 class ModelRunner:
     """Runs ``model`` over ``cache``, whose block ids the callers hand out."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device,
+                 lora_slots: LoRASlots | None = None) -> None:
         self.model, self.cache, self.device = model, cache, device
+        self.lora_slots = lora_slots
+        """The adapters' weights that inputs' ``lora_slot`` index (multi-LoRA serving), else None."""
         self.max_len = 0
         """Longest whole sequence :meth:`hidden` takes: 0 unless made by :meth:`for_sequences`."""
         self._table: list[int] = []
@@ -115,13 +121,26 @@ class ModelRunner:
         for item in inputs:
             tokens.extend(item.token_ids)
         starts = list(itertools.accumulate((len(item.token_ids) for item in inputs), initial=0))
-        hidden = self._forward(tokens, self._metadata(inputs))
+        hidden = self._forward(tokens, self._metadata(inputs), self._lora_batch(inputs, len(tokens)))
         rows = [i for i, item in enumerate(inputs) if item.samples]
         picked = [p for i in rows for p in range(starts[i + 1] - inputs[i].num_sample_rows, starts[i + 1])]
         logits = self.model.compute_logits(hidden[picked])
         full = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
                 for i, item in enumerate(inputs) if item.all_logits}
         return RunnerOutput(logits, rows, full, hidden if with_hidden else None)
+
+    def _lora_batch(self, inputs: list[SequenceInput], num_tokens: int) -> LoRABatch | None:
+        """Each token's adapter slot, when some input has an adapter; else None (the base model alone)."""
+        if all(item.lora_slot < 0 for item in inputs):
+            return None
+        if self.lora_slots is None:
+            raise RuntimeError("an input has a lora_slot but this runner has no lora_slots")
+        slots = torch.empty(num_tokens, dtype=torch.int32)
+        start = 0
+        for item in inputs:
+            slots[start:start + len(item.token_ids)] = item.lora_slot
+            start += len(item.token_ids)
+        return LoRABatch(self.lora_slots.modules, slots.to(self.device))
 
     def _metadata(self, inputs: list[SequenceInput]) -> PagedAttentionMetadata:
         """The step's attention metadata. A step whose sequences all bring at most ``DECODE_ROWS_MAX``
@@ -161,6 +180,6 @@ class ModelRunner:
         ``ids``, computed from scratch over this runner's own blocks (a :meth:`for_sequences` runner)."""
         return self._forward(ids, self.sequence_metadata(len(ids)))
 
-    def _forward(self, tokens: list[int], meta: PagedAttentionMetadata) -> torch.Tensor:
+    def _forward(self, tokens: list[int], meta: PagedAttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(input_ids, meta.positions(self.device), self.cache, meta)
+        return self.model(input_ids, meta.positions(self.device), self.cache, meta, lora)

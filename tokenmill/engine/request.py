@@ -21,6 +21,7 @@ import torch
 from tokenmill.engine.outputs import TokenLogprobs
 from tokenmill.engine.sampler import SamplingState
 from tokenmill.loading.detokenizer import IncrementalDetokenizer
+from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -60,6 +61,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     """Mixed into prefix-cache hashes: requests with different salts never share cached blocks."""
+    lora: LoRAAdapter | None = None
+    """The LoRA adapter it runs with (the weights it started with, whatever the name means later)."""
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache when first scheduled; -1 until then."""

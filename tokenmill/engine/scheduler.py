@@ -67,8 +67,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
-        self.config, self.kv = config, kv
+    def __init__(self, config: SchedulerConfig, kv: KVManager, max_loras: int = 0) -> None:
+        """``max_loras``: most distinct LoRA adapters among the running sequences (a waiting one with
+        another adapter waits until one finishes; skipped over, not blocking those behind it)."""
+        self.config, self.kv, self.max_loras = config, kv, max_loras
         self.running: list[Sequence] = []
         self._waiting: list[tuple[tuple, int, Sequence]] = []
         self._tiebreak = itertools.count()
@@ -187,10 +189,22 @@ class Scheduler:
         self.add(seq)
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        adapters = {id(s.lora) for s in self.running if s.lora is not None}
+        deferred = []  # waiting entries whose adapter would exceed max_loras: back in the queue after
+        try:
+            self._admit(budget, out, adapters, deferred)
+        finally:
+            for entry in deferred:
+                heapq.heappush(self._waiting, entry)
+
+    def _admit(self, budget: int, out: SchedulerOutput, adapters: set[int], deferred: list) -> None:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None:
                 return
+            if seq.lora is not None and id(seq.lora) not in adapters and len(adapters) >= self.max_loras:
+                deferred.append(heapq.heappop(self._waiting))
+                continue
             hit = self.kv.get_computed_blocks(seq.seq_id, seq.all_token_ids, seq.cache_salt)
             seq.num_computed_tokens = hit
             n = self._chunk(seq, budget)
@@ -207,6 +221,8 @@ class Scheduler:
                 seq.num_cached_tokens = hit
                 seq.scheduled_time = time.monotonic()
             self.running.append(seq)
+            if seq.lora is not None:
+                adapters.add(id(seq.lora))
             out.scheduled.append(ScheduledSequence(seq, n))
             out.prefix_hit_tokens += hit
             budget -= n

@@ -55,3 +55,7 @@ class EngineSnapshot:
     """Verifications so far: one per drafting sequence and step."""
     spec_accepted_per_position: tuple[int, ...] = ()
     """[j]: verifications that kept the drafted token at position j (0-based)."""
+    num_running_adapters: int = 0
+    """Distinct LoRA adapters among the running sequences."""
+    num_loaded_adapters: int = 0
+    """LoRA adapters registered by name."""

@@ -1,8 +1,9 @@
 """The decoder-only causal LM skeleton every family shares.
 
-``forward(input_ids [T], positions [T], kv_cache, meta) -> hidden [T, hidden]`` runs one step
-over a flat batch of new tokens; ``compute_logits(hidden)`` applies the final norm and LM head
-to the rows that need logits (usually each sequence's last token).
+``forward(input_ids [T], positions [T], kv_cache, meta, lora=None) -> hidden [T, hidden]`` runs one
+step over a flat batch of new tokens (``lora``: which LoRA adapter each token runs with, if any);
+``compute_logits(hidden)`` applies the final norm and LM head to the rows that need logits
+(usually each sequence's last token).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 from tokenmill.attention.backend import AttentionBackend, KVCache
 from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import ModelConfig
+from tokenmill.lora.slots import LoRABatch
 from tokenmill.models.layers import RMSNorm, Rotary, has_hooks, linear, packed_bf16_linear
 
 
@@ -57,18 +59,18 @@ class CausalLM(nn.Module):
         return self.embed(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: PagedAttentionMetadata) -> torch.Tensor:
+                meta: PagedAttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope_global = self.rotary_global(positions, h.dtype)
         rope_local = self.rotary_local(positions, h.dtype) if self.config.rope_local_theta else rope_global
         decode_only = meta is not None and meta.query_start_loc[-1] == meta.num_seqs
-        fused = self.fused_decoder(kv_cache) if decode_only and self.use_fused_decode and not torch.is_grad_enabled() \
-            else None
+        fused = self.fused_decoder(kv_cache) if decode_only and self.use_fused_decode and lora is None \
+            and not torch.is_grad_enabled() else None
         if fused is not None:
             return fused.run(h, [rope_global, rope_local], meta)
         for i, block in enumerate(self.layers):
             rope = rope_local if self.config.layer_type(i) == "sliding" else rope_global
-            h = block(h, rope, kv_cache.layer(i), meta)
+            h = block(h, rope, kv_cache.layer(i), meta, None if lora is None else lora.layer(i))
         return h
 
     def fused_decoder(self, kv_cache: KVCache):

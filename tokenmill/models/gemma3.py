@@ -14,6 +14,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_cache import PagedLayer
 from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import ModelConfig
+from tokenmill.lora.slots import LayerLoRA
 from tokenmill.models.base import CausalLM
 from tokenmill.models.layers import Attention, GatedMLP, RMSNorm
 
@@ -31,9 +32,9 @@ class Gemma3Block(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: PagedLayer, meta: PagedAttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope, cache, meta))
-        return x + self.post_ffn_norm(self.mlp(self.ffn_norm(x)))
+                cache: PagedLayer, meta: PagedAttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), rope, cache, meta, lora))
+        return x + self.post_ffn_norm(self.mlp(self.ffn_norm(x), lora))
 
 
 class Gemma3ForCausalLM(CausalLM):

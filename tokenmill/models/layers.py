@@ -13,6 +13,7 @@ from tokenmill.attention.kv_cache import PagedLayer
 from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import ModelConfig, RopeScaling
 from tokenmill.kernels import dispatch
+from tokenmill.lora.slots import LayerLoRA
 
 
 def weight_key(weight: torch.Tensor) -> tuple:
@@ -134,7 +135,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul; ``lora``: the step's
+    adapters, each token's low-rank update added to gate_up's and down's outputs."""
 
     def __init__(self, hidden: int, inner: int, act: str) -> None:
         super().__init__()
@@ -142,21 +144,25 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(inner, hidden, bias=False)
         self.act = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = linear(self.gate_up, x)
+        if lora is not None:
+            gate_up = lora.apply("mlp.gate_up", x, gate_up)
         ops = dispatch.for_inference(gate_up)
         if ops is not None and gate_up.dim() == 2:
-            return linear(self.down, ops.act_mul(gate_up, self.act != "silu"))
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return linear(self.down, gate * up)
+            inner = ops.act_mul(gate_up, self.act != "silu")
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            inner = (F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")) * up
+        out = linear(self.down, inner)
+        return out if lora is None else lora.apply("mlp.down", inner, out)
 
 
 class Attention(nn.Module):
     """Multi-head attention with GQA/MQA, optional QKV bias and QK-norm.
 
-    The KV storage of this layer, the step's metadata and the RoPE tables come in as
-    arguments; the backend does the cache write and the attention itself.
+    The KV storage of this layer, the step's metadata, the RoPE tables and the step's LoRA
+    adapters (if any) come in as arguments; the backend does the cache write and the attention itself.
     """
 
     def __init__(self, cfg: ModelConfig, layer_index: int, backend: AttentionBackend,
@@ -176,8 +182,10 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: PagedLayer, meta: PagedAttentionMetadata) -> torch.Tensor:
+                cache: PagedLayer, meta: PagedAttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
         qkv = linear(self.qkv, x)
+        if lora is not None:
+            qkv = lora.apply("attn.qkv", x, qkv)
         ops = dispatch.for_inference(qkv, *(n.weight for n in (self.q_norm, self.k_norm) if n is not None))
         if ops is not None and qkv.dim() == 2:
             q, k, v = ops.qkv_rope(qkv, self.n_heads, self.n_kv_heads, self.head_dim, *rope,
@@ -185,7 +193,7 @@ class Attention(nn.Module):
                                    None if self.k_norm is None else self.k_norm.weight,
                                    self.q_norm.eps if self.q_norm is not None else 0.0, self.norm_cast_before_scale)
             out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
-            return linear(self.o, out.reshape(-1, self.n_heads * self.head_dim))
+            return self._output(out, lora)
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(-1, self.n_heads, self.head_dim)
         k = k.view(-1, self.n_kv_heads, self.head_dim)
@@ -194,4 +202,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
-        return linear(self.o, out.reshape(-1, self.n_heads * self.head_dim))
+        return self._output(out, lora)
+
+    def _output(self, attended: torch.Tensor, lora: LayerLoRA | None) -> torch.Tensor:
+        """The o projection of the heads' outputs [T, heads, head_dim] (and its adapters' update)."""
+        flat = attended.reshape(-1, self.n_heads * self.head_dim)
+        out = linear(self.o, flat)
+        return out if lora is None else lora.apply("attn.o", flat, out)

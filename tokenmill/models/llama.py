@@ -12,6 +12,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_cache import PagedLayer
 from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import ModelConfig
+from tokenmill.lora.slots import LayerLoRA
 from tokenmill.models.base import CausalLM
 from tokenmill.models.layers import Attention, GatedMLP, RMSNorm
 
@@ -25,9 +26,9 @@ class LlamaBlock(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: PagedLayer, meta: PagedAttentionMetadata) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cache, meta)
-        return x + self.mlp(self.ffn_norm(x))
+                cache: PagedLayer, meta: PagedAttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache, meta, lora)
+        return x + self.mlp(self.ffn_norm(x), lora)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -39,7 +39,9 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x.reshape(-1, self.in_features))
+        flat = x.reshape(-1, self.in_features)
+        # training through a frozen quantized layer (QLoRA): the kernels have no backward
+        y = _InputGradMatmul.apply(flat, self) if torch.is_grad_enabled() and x.requires_grad else self.matmul(flat)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -50,7 +52,7 @@ class QuantizedLinear(nn.Module):
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """``forward(x).float()``, the same values; by :meth:`matmul_float32` when there is no bias
         (an LM head's logits: no conversion pass where the kernel writes float32 itself)."""
-        if self.bias is not None:
+        if self.bias is not None or (torch.is_grad_enabled() and x.requires_grad):
             return self.forward(x).float()
         return self.matmul_float32(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
 
@@ -68,6 +70,23 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class _InputGradMatmul(torch.autograd.Function):
+    """``layer.matmul(x)`` whose backward passes the gradient to ``x`` through the dequantized
+    weight (the layer itself stays frozen): what LoRA training over a quantized base needs. The
+    weight is dequantized in the backward only, one layer at a time."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+        ctx.layer = layer
+        with torch.no_grad():
+            return layer.matmul(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = ctx.layer.dequantize()
+        return grad @ weight.to(device=grad.device, dtype=grad.dtype), None
 
 
 class Int8Linear(QuantizedLinear):

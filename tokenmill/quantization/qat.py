@@ -52,6 +52,7 @@ from tqdm import tqdm
 from tokenmill.config import reject_unknown_keys
 from tokenmill.device import resolve_device, resolve_dtype
 from tokenmill.errors import InvalidParameterError
+from tokenmill.lora.slots import LoRABatch
 from tokenmill.models.base import CausalLM
 from tokenmill.models.builder import LoadedModel
 from tokenmill.paths import default_cache_dir
@@ -287,13 +288,16 @@ def convert_qat(model: CausalLM, config: QATConfig, progress: bool = True) -> Ca
 
 # --------------------------------------------------------------------------- training forward
 
-def training_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """ids [B, S] -> float32 logits [B, S, vocab], differentiable (each row its own sequence)."""
+def training_logits(model: CausalLM, ids: torch.Tensor, lora: LoRABatch | None = None,
+                    hidden_only: bool = False) -> torch.Tensor:
+    """ids [B, S] -> float32 logits [B, S, vocab], differentiable (each row its own sequence);
+    ``lora``: an adapter applied to every token (LoRA training); ``hidden_only``: the final hidden
+    states [B * S, hidden] instead (for a caller that needs the logits of a few rows only)."""
     b, s = ids.shape
     positions = torch.arange(s, device=ids.device).repeat(b)
     with training_attention(model, CausalSDPABackend(b, s)):
-        hidden = model(ids.reshape(-1), positions, NoCache(), None)
-    return model.compute_logits(hidden).view(b, s, -1)
+        hidden = model(ids.reshape(-1), positions, NoCache(), None, lora)
+    return hidden if hidden_only else model.compute_logits(hidden).view(b, s, -1)
 
 
 # --------------------------------------------------------------------------- data and loop

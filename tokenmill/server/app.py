@@ -4,7 +4,8 @@
 
     HTTP ─► ServingMiddleware (draining: 503; API key: 401; body too large: 413, counted as it
             arrives; counts requests in flight; hands the app the body it read)
-         ─► routers: completions, chat, models (+tokenize), ops (health, ready, metrics, admin)
+         ─► routers: completions, chat, models (+tokenize), lora (adapters at runtime), ops (health,
+            ready, metrics, admin)
          ─► Generation (tenant limits, admission, AsyncEngine) ─► engine thread
 """
 
@@ -17,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from tokenmill.llm import LLM
-from tokenmill.server import chat, completions, models, ops
+from tokenmill.server import chat, completions, lora, models, ops
 from tokenmill.server.admission import AdmissionController
 from tokenmill.server.async_engine import AsyncEngine
 from tokenmill.server.config import ServerConfig
@@ -34,6 +35,8 @@ def create_state(llm: LLM, config: ServerConfig) -> ServerState:
     up first (``state.warming`` until then)."""
     engine = llm.engine
     name = config.served_model_name or llm.model_name
+    for adapter, path in config.lora_module_paths():
+        llm.load_lora(adapter, path)
     tenancy = Tenancy.load(config.api_keys)
     metrics = ServerMetrics(name, tenancy)
     admission = AdmissionController(engine.config.scheduler.max_num_seqs, config.max_queued_requests,
@@ -155,7 +158,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tokenmill", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = state
-    routers = [module.router for module in (completions, chat, models, ops)]
+    routers = [module.router for module in (completions, chat, models, lora, ops)]
     for router in routers:
         app.include_router(router)
     install_error_handlers(app)

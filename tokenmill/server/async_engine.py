@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from tokenmill.engine import EngineSnapshot, LLMEngine, RequestDelta
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import dispatch
+from tokenmill.lora.manager import UnknownAdapterError
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.server")
@@ -63,7 +64,8 @@ class EngineUpdate:
     """What the request gained in a step; None for an error update."""
     finished: bool
     error: str | None = None
-    """Why it ended without finishing: 'deadline', 'invalid' (bad input), 'engine' or 'shutdown'."""
+    """Why it ended without finishing: 'deadline', 'invalid' (bad input), 'model_not_found' (its LoRA
+    adapter was unloaded before the engine took it), 'engine' or 'shutdown'."""
     message: str = ""
 
 
@@ -132,14 +134,36 @@ class AsyncEngine:
         return self._running.is_set() and not self._done.is_set()
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
-            deadline: float, priority: int = 0, cache_salt: str | None = None) -> None:
-        """Queue a request; its updates go to ``queue`` (put from the engine thread, thread-safely)."""
+            deadline: float, priority: int = 0, cache_salt: str | None = None, lora: str | None = None) -> None:
+        """Queue a request; its updates go to ``queue`` (put from the engine thread, thread-safely).
+        ``lora``: the name of the LoRA adapter it runs with."""
         loop = asyncio.get_running_loop()
 
         def sink(update: EngineUpdate) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, update)
 
-        self._submit(lambda: self._add(request_id, prompt_ids, params, priority, cache_salt, deadline, sink))
+        self._submit(lambda: self._add(request_id, prompt_ids, params, priority, cache_salt, lora, deadline, sink))
+
+    async def call(self, fn: Callable[[], object]) -> object:
+        """Run ``fn`` in the engine thread between two steps (what touches the engine's state
+        outside a request: loading or unloading adapters) -> its result; its exception is raised here."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(result=None, error: BaseException | None = None) -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+        def command() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(settle, None, exc)
+                return
+            loop.call_soon_threadsafe(settle, result)
+
+        self._submit(command)
+        return await future
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))
@@ -196,10 +220,13 @@ class AsyncEngine:
             on_warming, self._on_warming = self._on_warming, None
             on_warming(False)
 
-    def _add(self, request_id, prompt_ids, params, priority, cache_salt, deadline, sink) -> None:
+    def _add(self, request_id, prompt_ids, params, priority, cache_salt, lora, deadline, sink) -> None:
         try:
             self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, lora=lora)
+        except UnknownAdapterError as exc:  # unloaded after the handler resolved the name
+            sink(EngineUpdate(request_id, None, True, error="model_not_found", message=str(exc)))
+            return
         except TokenmillError as exc:
             sink(EngineUpdate(request_id, None, True, error="invalid", message=str(exc)))
             return

@@ -119,19 +119,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     arrival = time.monotonic()
     state = get_state(request)
     check_warm(state)
-    state.check_model(body.model)
+    lora = state.resolve_model(body.model, tenant)
+    model = body.model or state.model_name
     check_unsupported(body)
     num_top = _num_top(body)
     ids = await render_messages(state, body.messages, body.add_generation_prompt)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = check_prompt(state, ids, asked, param="messages")
     params = sampling_params(body, max_tokens, num_top)
-    gen = Generation(state, request, tenant, [ids], params, body.priority, body.cache_salt, arrival)
+    gen = Generation(state, request, tenant, [ids], params, body.priority, body.cache_salt, arrival, lora)
     await gen.start()
     tokens = TokenText(state.tokenizer)
     response_id, created = new_id("chatcmpl"), int(time.time())
     if body.stream:
-        stream = ChatStream(body, tokens, num_top, response_id, created, state.model_name)
+        stream = ChatStream(body, tokens, num_top, response_id, created, model)
         return await streaming_response(gen, stream, response_id)
     if not await run_to_end(gen):
         return Response(status_code=499)
@@ -140,6 +141,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                           logprobs=chat_logprobs(tokens, out.logprobs or [], num_top) if num_top is not None else None,
                           finish_reason=out.finish_reason)
                for out in gen.output(request_id).outputs]
-    response = ChatCompletionResponse(id=response_id, created=created, model=state.model_name, choices=choices,
+    response = ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices,
                                       usage=usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
     return JSONResponse(response.model_dump(), headers=engine_headers(gen.latest.get(request_id), response_id))

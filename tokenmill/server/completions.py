@@ -98,7 +98,8 @@ async def create_completion(body: CompletionRequest, request: Request,
     arrival = time.monotonic()
     state = get_state(request)
     check_warm(state)
-    state.check_model(body.model)
+    lora = state.resolve_model(body.model, tenant)
+    model = body.model or state.model_name
     check_unsupported(body, suffix=(body.suffix, not body.suffix),
                       best_of=(body.best_of, body.best_of in (None, body.n)))
     texts, prompts = await _prompts(state, body.prompt)
@@ -106,14 +107,14 @@ async def create_completion(body: CompletionRequest, request: Request,
     max_tokens = body.max_tokens if body.max_tokens is not None else min(allowed)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
-    gen = Generation(state, request, tenant, prompts, params, body.priority, body.cache_salt, arrival)
+    gen = Generation(state, request, tenant, prompts, params, body.priority, body.cache_salt, arrival, lora)
     await gen.start()
     tokens = TokenText(state.tokenizer)
     echo_texts = [t if t is not None else state.tokenizer.decode(ids, skip_special_tokens=False)
                   for t, ids in zip(texts, prompts)] if body.echo else []
     response_id, created = new_id("cmpl"), int(time.time())
     if body.stream:
-        stream = CompletionStream(gen, body, tokens, echo_texts, response_id, created, state.model_name)
+        stream = CompletionStream(gen, body, tokens, echo_texts, response_id, created, model)
         return await streaming_response(gen, stream, response_id)
     if not await run_to_end(gen):
         return Response(status_code=499)
@@ -128,7 +129,7 @@ async def create_completion(body: CompletionRequest, request: Request,
                 logprobs = completion_logprobs(tokens, entries + items(out.logprobs))
             choices.append(CompletionChoice(index=i * body.n + out.index, text=text, logprobs=logprobs,
                                             finish_reason=out.finish_reason))
-    response = CompletionResponse(id=response_id, created=created, model=state.model_name, choices=choices,
+    response = CompletionResponse(id=response_id, created=created, model=model, choices=choices,
                                   usage=usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
     return JSONResponse(response.model_dump(), headers=engine_headers(gen.latest.get(gen.request_ids[0]), response_id))
 

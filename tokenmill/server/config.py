@@ -35,6 +35,9 @@ class ServerConfig(Config):
         "keep-alive request's first byte) before it is closed")
     max_connections_per_client: int = option(
         64, "open connections one client address may hold; more get 503 and are closed (0: unlimited)")
+    lora_modules: str | None = option(
+        None, "LoRA adapters to load at start, NAME=PATH (a PEFT directory or GGUF LoRA file), several separated by "
+              "commas; needs --enable-lora", metavar="NAME=PATH,...")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -47,3 +50,16 @@ class ServerConfig(Config):
                 raise InvalidParameterError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after < 1:
             raise InvalidParameterError(f"ServerConfig.retry_after must be >= 1, got {self.retry_after}")
+        self.lora_module_paths()
+
+    def lora_module_paths(self) -> list[tuple[str, str]]:
+        """``lora_modules`` as (name, path) pairs."""
+        pairs = []
+        for item in (self.lora_modules or "").split(","):
+            if not item.strip():
+                continue
+            name, sep, path = item.strip().partition("=")
+            if not sep or not name or not path:
+                raise InvalidParameterError(f"lora_modules: expected NAME=PATH, got {item.strip()!r}")
+            pairs.append((name, path))
+        return pairs

@@ -151,8 +151,11 @@ _GONE = object()
 
 class Generation:
     def __init__(self, state: ServerState, http: Request, tenant: TenantConfig, prompts: list[list[int]],
-                 params: SamplingParams, priority: int, cache_salt: str | None, arrival: float) -> None:
+                 params: SamplingParams, priority: int, cache_salt: str | None, arrival: float,
+                 lora: str | None = None) -> None:
         self.state, self.http, self.tenant = state, http, tenant
+        self.lora = lora
+        """The LoRA adapter its requests run with (``ServerState.resolve_model``), None for the base model."""
         self.prompts, self.params, self.priority = prompts, params, priority
         self.arrival = arrival
         self.deadline = deadline_of(state, http, arrival)
@@ -235,7 +238,7 @@ class Generation:
         self._added = True
         for request_id, ids in zip(self.request_ids, self.prompts):
             state.engine.add(request_id, ids, self.params, self.queue, self.deadline, self.priority,
-                             self.cache_salt)
+                             self.cache_salt, self.lora)
             self.unfinished.add(request_id)
         self._watcher = asyncio.create_task(self._watch_disconnect())
 
@@ -289,6 +292,8 @@ class Generation:
         self.state.metrics.reject(update.error)
         if update.error == "invalid":
             return APIError(400, update.message, param=param_from_message(update.message))
+        if update.error == "model_not_found":
+            return APIError(404, update.message, param="model", code="model_not_found")
         if update.error == "deadline":
             return APIError(503, update.message, code="deadline_exceeded", retry_after=retry)
         if update.error == "shutdown":
@@ -315,7 +320,7 @@ class Generation:
         if self.reservation is not None:  # settle to what was used; all of it back if it never ran
             if self._added:
                 state.tenancy.finish(self.reservation, self.prompt_tokens, self.cached_tokens,
-                                     self.completion_tokens)
+                                     self.completion_tokens, self.lora)
             else:
                 state.tenancy.cancel(self.reservation)
         now = time.monotonic()
@@ -329,7 +334,7 @@ class Generation:
             state.metrics.observe_request(self.arrival, delta.scheduled_time if delta else None,
                                           delta.first_token_time if delta else None,
                                           delta.finish_time if delta and delta.finish_time else now, len(ids),
-                                          sum(len(o.token_ids) for o in outputs), reason)
+                                          sum(len(o.token_ids) for o in outputs), reason, self.lora)
 
 
 def usage_event(head: dict, gen: Generation) -> str:

@@ -84,6 +84,16 @@ class ServerMetrics:
                              buckets=TOKEN_LATENCY_BUCKETS, **labels)
         self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS,
                              **labels)
+        self.lora_requests = Counter("tokenmill:lora_requests", "Finished requests per LoRA adapter",
+                                     ["model_name", "lora_name"], registry=registry)
+        self.lora_prompt_tokens = Counter("tokenmill:lora_prompt_tokens", "Prompt tokens per LoRA adapter",
+                                          ["model_name", "lora_name"], registry=registry)
+        self.lora_generation_tokens = Counter("tokenmill:lora_generation_tokens", "Generated tokens per LoRA adapter",
+                                              ["model_name", "lora_name"], registry=registry)
+        self.lora_running = Gauge("tokenmill:lora_running_adapters",
+                                  "Distinct LoRA adapters among the running sequences", **labels)
+        self.lora_loaded = Gauge("tokenmill:lora_loaded_adapters", "LoRA adapters registered (loaded by name)",
+                                 **labels)
         self.queue_time = Histogram("tokenmill:request_queue_time_seconds", "Arrival to first scheduled",
                                     buckets=LATENCY_BUCKETS, **labels)
         registry.register(_TenantUsage(tenancy))
@@ -98,6 +108,8 @@ class ServerMetrics:
         self.waiting.labels(m).set(snap.num_waiting + self.queued_in_server)
         self.kv_usage.labels(m).set(snap.kv_usage)
         self.kv_blocks.labels(m).set(snap.num_used_blocks)
+        self.lora_running.labels(m).set(snap.num_running_adapters)
+        self.lora_loaded.labels(m).set(snap.num_loaded_adapters)
         self.prefix_queries.labels(m).inc(snap.prefix_queries - last.prefix_queries)
         self.prefix_hits.labels(m).inc(snap.prefix_hits - last.prefix_hits)
         self.preemptions.labels(m).inc(snap.num_preemptions - last.num_preemptions)
@@ -120,9 +132,15 @@ class ServerMetrics:
         self.rejected.labels(self.model_name, reason).inc()
 
     def observe_request(self, arrival: float, scheduled: float | None, first_token: float | None,
-                        finish: float, prompt_tokens: int, completion_tokens: int, finished_reason: str) -> None:
-        """One engine request that ended; times are time.monotonic(), arrival at the HTTP server."""
+                        finish: float, prompt_tokens: int, completion_tokens: int, finished_reason: str,
+                        lora: str | None = None) -> None:
+        """One engine request that ended; times are time.monotonic(), arrival at the HTTP server;
+        ``lora``: the adapter it ran with."""
         m = self.model_name
+        if lora is not None:
+            self.lora_requests.labels(m, lora).inc()
+            self.lora_prompt_tokens.labels(m, lora).inc(prompt_tokens)
+            self.lora_generation_tokens.labels(m, lora).inc(completion_tokens)
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.generation_tokens.labels(m).inc(completion_tokens)
         self.success.labels(m, finished_reason).inc()

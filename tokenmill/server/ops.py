@@ -54,4 +54,5 @@ async def usage(request: Request, tenant: Annotated[TenantConfig, Depends(authen
     if not tenant.admin:
         raise APIError(403, f"tenant {tenant.name!r} is not an admin", code="not_admin")
     state = get_state(request)
-    return JSONResponse({"tenants": {name: asdict(u) for name, u in state.tenancy.usage.items()}})
+    return JSONResponse({"tenants": {name: asdict(u) for name, u in state.tenancy.usage.items()},
+                         "adapters": {name: asdict(u) for name, u in state.tenancy.adapter_usage.items()}})

@@ -223,6 +223,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tokenmill"
     max_model_len: int
+    root: str | None = None
+    """The served model's name; for a LoRA adapter, the path it was loaded from (as vLLM)."""
+    parent: str | None = None
+    """For a LoRA adapter: the model it runs on; None for the served model."""
 
 
 class ModelList(BaseModel):
@@ -246,6 +250,31 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(Strict):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+    load_inplace: bool = False
+    """Replace the weights of a name already loaded (running requests finish on the old ones)."""
+
+
+class UnloadLoRAAdapterRequest(Strict):
+    """POST /v1/unload_lora_adapter (vLLM's body; ``lora_int_id`` is accepted and ignored)."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_int_id: int | None = None
+
+
+class LoRAAdapterResponse(BaseModel):
+    object: Literal["lora_adapter"] = "lora_adapter"
+    lora_name: str
+    status: Literal["loaded", "unloaded"]
+    in_use: int = 0
+    """Unfinished requests still running on its weights (they finish on them)."""
+    message: str
 
 
 class DetokenizeRequest(Strict):

@@ -41,10 +41,26 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def resolve_model(self, model: str | None, tenant: TenantConfig) -> str | None:
+        """The LoRA adapter a request's ``model`` names, None for the served model itself (or no
+        ``model``): an adapter's name, or ``<served model>:<adapter>``. 404 ``model_not_found`` for
+        a name the server does not serve, 403 ``model_not_allowed`` for one the tenant may not use.
+
+        The one place a ``model`` string becomes (base, adapter)."""
+        name = self.model_name if model is None else model
+        adapter = None
+        if name != self.model_name:
+            base, sep, rest = name.partition(":")
+            adapter = rest if sep and base == self.model_name else name
+            lora = self.engine.engine.lora
+            if lora is None or adapter not in lora:
+                served = [self.model_name] + ([info.name for info in lora.list()] if lora is not None else [])
+                raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                               f"{', '.join(map(repr, served))}", param="model", code="model_not_found")
+        if not tenant.may_use(adapter or self.model_name):
+            raise APIError(403, f"tenant {tenant.name!r} may not use the model {model!r}", param="model",
+                           code="model_not_allowed")
+        return adapter
 
 
 def get_state(request: Request) -> ServerState:

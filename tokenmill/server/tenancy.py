@@ -7,13 +7,16 @@ The keys file is JSON::
        "requests_per_minute": 60, "tokens_per_minute": 100000, "max_concurrent_requests": 4},
       {"name": "bob", "key_sha256": "<hex>", "cache_group": "shared-assistant"},
       {"name": "carol", "key_sha256": "<hex>", "cache_group": "shared-assistant"},
+      {"name": "dave", "key_sha256": "<hex>", "models": ["sql-lora", "support-lora"]},
       {"name": "prometheus", "key_sha256": "<hex>", "metrics": true},
       {"name": "ops", "key_sha256": "<hex>", "admin": true}
     ]}
 
 Names (and cache groups) are 1 to 64 characters of ``A-Z a-z 0-9 . _ -``. Limits are optional
-(0 or absent: unlimited). Without a keys file every request belongs to the tenant ``default``,
-which may do everything, and nothing is enforced.
+(0 or absent: unlimited). ``models`` limits a tenant to the named models (the served model, LoRA
+adapters; absent: all); others answer 403 and are not listed by /v1/models for it. Without a
+keys file every request belongs to the tenant ``default``, which may do everything, and nothing
+is enforced.
 
 Tokens per minute are reserved, not counted after the fact::
 
@@ -97,6 +100,11 @@ class TenantConfig:
     """May read /metrics (every tenant's name and usage), nothing else beyond a tenant's own requests."""
     cache_group: str = ""
     """Tenants with the same group share prefix-cache blocks; others never do. Default: the name."""
+    models: tuple[str, ...] | None = None
+    """The models it may use by name (the served model, LoRA adapters); None: all of them."""
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
     def __post_init__(self) -> None:
         _check_name("the name", self.name, None)
@@ -108,6 +116,11 @@ class TenantConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidParameterError(f"tenant {self.name!r}: {name} must be an integer >= 0, got {value!r}")
+        if self.models is not None:
+            if not isinstance(self.models, (list, tuple)) or not all(isinstance(m, str) for m in self.models):
+                raise InvalidParameterError(f"tenant {self.name!r}: models must be a list of model names, "
+                                            f"got {self.models!r}")
+            object.__setattr__(self, "models", tuple(self.models))
         for name in ("admin", "metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(f"tenant {self.name!r}: {name} must be true or false, "
@@ -175,6 +188,8 @@ class Tenancy:
         self._anonymous = TenantConfig(DEFAULT_TENANT, admin=True)
         self._windows: dict[str, _Window] = {}
         self.usage: dict[str, Usage] = {}
+        self.adapter_usage: dict[str, Usage] = {}
+        """The same counters per LoRA adapter (every tenant's requests that named it)."""
 
     @classmethod
     def load(cls, path: str | Path | None, window: float = WINDOW) -> Tenancy:
@@ -256,20 +271,24 @@ class Tenancy:
         return reservation
 
     def finish(self, reservation: Reservation, prompt_tokens: int, cached_tokens: int,
-               completion_tokens: int) -> None:
+               completion_tokens: int, adapter: str | None = None) -> None:
         """Settle a request that reached the engine (finished, failed or aborted): the reservation
-        becomes what it really used, and the usage counters grow. Idempotent."""
+        becomes what it really used, and the usage counters grow (its tenant's, and its LoRA
+        ``adapter``'s if it named one). Idempotent."""
         if reservation.done:
             return
         reservation.done = True
         window = self._windows[reservation.tenant]
         window.concurrent -= 1
         window.resize(reservation, prompt_tokens + completion_tokens)
-        usage = self.usage.setdefault(reservation.tenant, Usage())
-        usage.requests += 1
-        usage.prompt_tokens += prompt_tokens
-        usage.cached_tokens += cached_tokens
-        usage.completion_tokens += completion_tokens
+        counters = [self.usage.setdefault(reservation.tenant, Usage())]
+        if adapter is not None:
+            counters.append(self.adapter_usage.setdefault(adapter, Usage()))
+        for usage in counters:
+            usage.requests += 1
+            usage.prompt_tokens += prompt_tokens
+            usage.cached_tokens += cached_tokens
+            usage.completion_tokens += completion_tokens
 
     def cancel(self, reservation: Reservation) -> None:
         """Give back everything of a request that never reached the engine (its request and its

@@ -116,7 +116,12 @@ class EagleDraft(nn.Module):
         self.embed = target.embed
         self.features: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: Any,
+                lora: Any = None) -> torch.Tensor:
+        """The draft runner's call (``lora`` always None: the head drafts without adapters; the
+        target verifies with them)."""
+        if lora is not None:
+            raise ValueError("an EAGLE head runs without LoRA adapters")
         target = self._target[0]
         embeddings = target.embed_tokens(input_ids)
         local = self.config.layer_type(0) == "sliding" and target.config.rope_local_theta

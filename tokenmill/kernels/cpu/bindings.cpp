@@ -52,5 +52,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::kw_only(), py::arg("out_float32") = false);
   m.def("write_quantized_kv", &write_quantized_kv, "quantize new K or V rows into an int8 / fp8 cache (CPU)",
         py::arg("x"), py::arg("slots"), py::arg("rows"), py::arg("scales"));
+  m.def("lora_add", &lora_add,
+        "batched multi-LoRA, in place: y[t] += B[s] @ (A[s] @ x[t]) per part, s = slots[t] (rows with s < 0 "
+        "untouched) (CPU)",
+        py::arg("x"), py::arg("y"), py::arg("slots"), py::arg("A"), py::arg("B"), py::arg("part_starts"),
+        py::kw_only(), path);
   bind_decoder(m);
 }

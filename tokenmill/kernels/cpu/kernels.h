@@ -67,5 +67,12 @@ torch::Tensor sparse_bf16_linear(torch::Tensor x, torch::Tensor values, torch::T
 // kv_write.cpp
 void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows, torch::Tensor scales);
 
+// lora.cpp: batched multi-LoRA (Punica BGMV / SGMV), in place: for every token t with
+// slots[t] >= 0, y[t, o] += sum_r B[s, o, r] * h[part(o), r] with h[p, r] = sum_k x[t, k] * A[s, p, r, k],
+// s = slots[t], h in float32, y rounded once. x [T, K], y [T, N] (row stride >= N), slots int32 [T],
+// A [S, P, R, K], B [S, N, R] (x's dtype, contiguous), part_starts int64 [P + 1] from 0 to N.
+void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tensor A, torch::Tensor B,
+              torch::Tensor part_starts, KernelPath path);
+
 // decoder.cpp: rms_norm, qkv_rope, act_mul, LinearKind, Linear and DecodeStack
 void bind_decoder(pybind11::module& m);

@@ -1,8 +1,11 @@
 """The batched multi-LoRA CPU kernel (``lora_add``, tokenmill/kernels/cpu/lora.cpp) against a PyTorch
-per-slot loop, on SmolLM2-135M's projections.
+per-slot loop, on SmolLM2-135M's projections; or (--cold) bfloat16 against int8 adapter weights
+read from DRAM, over a model's worth of layers.
 
     python bench/lora_kernel.py [--threads 2] [--tokens 1 16 64 512] [--slots 8] [--rank 16]
                                 [--dtypes bfloat16 float32] [--rounds 7] [--out bench/results/lora_kernel.json]
+    python bench/lora_kernel.py --cold [--threads 2] [--tokens 1 16 64] [--slots 8] [--rank 16]
+                                [--layers 30] [--rounds 15] [--flush-mb 256] [--out bench/results/lora_kernel_cold.json]
 
 Shapes (K -> N, parts): qkv 576 -> 576 + 192 + 192 (P = 3), o 576 -> 576 (P = 1), gate_up
 576 -> 1536 + 1536 (P = 2), down 1536 -> 576 (P = 1); every slot's A [P, R, K] and B [N, R] hot
@@ -17,8 +20,24 @@ T / slots tokens a slot, interleaved); more (prefill) in one run of consecutive 
 Each figure is the median over --rounds rounds of the time per call (µs; the JSON also has the
 minimum); in every round each implementation runs for about 20 ms, in turn. The "layer" rows add
 up the four projections.
-Prints a table; writes JSON to --out (by default bench/results/lora_kernel.json, when
-bench/results exists).
+
+--cold: what a decode step pays for its adapters when their weights are not in any cache. Each of
+--layers layers has its own four projections' slot weights (distinct tensors, as a model's), all
+--slots slots of rank --rank: about 75 MB in bfloat16 and 38 MB in int8 (plus its scales, 5 MB)
+for SmolLM2-135M's 30 layers and 8 slots. A pass calls the kernel on every projection of every
+layer in turn (tokens spread over the slots as above); before each timed pass the caches are
+flushed by reading a --flush-mb buffer (0: no flush; the pass then finds what the previous one
+left in the last-level cache). Weights, in turn within each round:
+    bfloat16           x, y and A, B in bfloat16
+    int8               x, y in bfloat16; A, B int8 with float32 per-row scales (quantize_rows)
+    int8, float32 x    x, y in float32; the same int8 weights
+The "empty" column is the same pass with every slot -1 (no adapter: the call and its checks
+only). Figures are ms per pass, median (and minimum) over --rounds rounds. Then the error of the
+int8 delta against the bfloat16 weights it was quantized from, for random weights (layer 0, float32
+x): the relative L2 error of the delta and the largest error over the largest delta, per
+projection.
+Prints tables; writes JSON to --out (by default bench/results/lora_kernel.json, or
+lora_kernel_cold.json with --cold, when bench/results exists).
 """
 
 from __future__ import annotations
@@ -122,16 +141,159 @@ def bench(ops, args) -> list[dict]:
     return rows
 
 
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., n] -> (int8 [..., n], float32 scale [...]): w ~ q * scale, symmetric per row of the
+    last dimension (127 levels, round to nearest)."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+COLD_CONFIGS = [
+    # name, x dtype, int8 weights
+    ("bfloat16", torch.bfloat16, False),
+    ("int8", torch.bfloat16, True),
+    ("int8, float32 x", torch.float32, True),
+]
+
+
+def cold_weights(args) -> list[list[dict]]:
+    """Per layer, per projection: K, N, part_starts and the bfloat16 and int8 slot weights."""
+    layers = []
+    for layer in range(args.layers):
+        modules = []
+        for i, (name, k, parts) in enumerate(SHAPES):
+            g = torch.Generator().manual_seed(1000 * layer + i)
+            n, p = sum(parts), len(parts)
+            starts = [0]
+            for size in parts:
+                starts.append(starts[-1] + size)
+            A = (torch.randn(args.slots, p, args.rank, k, generator=g) * k ** -0.5).to(torch.bfloat16)
+            B = (torch.randn(args.slots, n, args.rank, generator=g) * 1e-3).to(torch.bfloat16)
+            A_q, A_scale = quantize_rows(A)
+            B_q, B_scale = quantize_rows(B)
+            modules.append({"name": name, "K": k, "N": n, "part_starts": torch.tensor(starts, dtype=torch.int64),
+                            "A": A, "B": B, "A_q": A_q, "A_scale": A_scale, "B_q": B_q, "B_scale": B_scale})
+        layers.append(modules)
+    return layers
+
+
+def cold_pass(ops, layers, tokens: int, slots: torch.Tensor, dtype: torch.dtype, int8: bool):
+    """A function running one pass: every projection of every layer, with its own x and y."""
+    g = torch.Generator().manual_seed(tokens)
+    xs = {k: torch.randn(tokens, k, generator=g).to(dtype) for k in {m["K"] for m in layers[0]}}
+    ys = {n: torch.zeros(tokens, n, dtype=dtype) for n in {m["N"] for m in layers[0]}}
+    calls = []
+    for modules in layers:
+        for m in modules:
+            kw = {"x": xs[m["K"]], "y": ys[m["N"]], "slots": slots, "part_starts": m["part_starts"]}
+            if int8:
+                kw.update(A=m["A_q"], B=m["B_q"], A_scale=m["A_scale"], B_scale=m["B_scale"])
+            else:
+                kw.update(A=m["A"], B=m["B"])
+            calls.append(kw)
+
+    def run() -> None:
+        for kw in calls:
+            ops.lora_add(**kw)
+    return run
+
+
+def weight_bytes(layers, int8: bool) -> int:
+    keys = ("A_q", "A_scale", "B_q", "B_scale") if int8 else ("A", "B")
+    return sum(m[key].numel() * m[key].element_size() for modules in layers for m in modules for key in keys)
+
+
+def cold_bench(ops, args) -> dict:
+    layers = cold_weights(args)
+    flush = torch.ones(max(args.flush_mb, 1) << 18) if args.flush_mb > 0 else None
+    sizes = {name: weight_bytes(layers, int8) / 1e6 for name, _, int8 in COLD_CONFIGS}
+    print(f"{torch.get_num_threads()} threads, {args.layers} layers x 4 projections, {args.slots} slots, R = "
+          f"{args.rank}; weights {sizes['bfloat16']:.1f} MB bfloat16, {sizes['int8']:.1f} MB int8 (with scales); "
+          + (f"caches flushed ({args.flush_mb} MB read) before each pass" if flush is not None else
+             "no flush between passes"))
+    print(f"ms per {args.layers}-layer pass, median (min) of {args.rounds} rounds")
+    names = [name for name, _, _ in COLD_CONFIGS]
+    header = f"{'T':>4} | " + " | ".join(f"{name:>17}" for name in names) + f" | {'int8/bf16':>9} | {'empty':>6}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for tokens in args.tokens:
+        slots = slot_ids(tokens, args.slots)
+        passes = {name: cold_pass(ops, layers, tokens, slots, dtype, int8) for name, dtype, int8 in COLD_CONFIGS}
+        passes["empty"] = cold_pass(ops, layers, tokens, torch.full_like(slots, -1), torch.bfloat16, False)
+        times = {name: [] for name in passes}
+        for fn in passes.values():
+            fn()
+        for _ in range(args.rounds):
+            for name, fn in passes.items():
+                if flush is not None:
+                    flush.sum()
+                start = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        low = {name: min(ts) for name, ts in times.items()}
+        row = {"tokens": tokens, "ms": med, "min_ms": low, "int8_over_bf16": med["int8"] / med["bfloat16"]}
+        rows.append(row)
+        cells = " | ".join(f"{med[name]:>8.2f} ({low[name]:>5.2f})" for name in names)
+        print(f"{tokens:>4} | {cells} | {row['int8_over_bf16']:>9.2f} | {med['empty']:>6.2f}", flush=True)
+    errors = cold_errors(ops, layers[0], args)
+    return {"layers": args.layers, "flush_mb": args.flush_mb, "weights_mb": sizes, "rows": rows, "errors": errors}
+
+
+def cold_errors(ops, modules, args) -> list[dict]:
+    """The int8 delta against the delta of the bfloat16 weights it was quantized from (as float32:
+    the same values), float32 x, y = 0."""
+    tokens = 64
+    slots = slot_ids(tokens, args.slots)
+    print(f"\nint8 against bfloat16 weights, the delta of {tokens} tokens (float32 x, random weights):")
+    print(f"{'shape':<8} | {'rel. L2 error':>13} | {'max err / max |delta|':>21}")
+    out = []
+    sq_err = sq_ref = 0.0
+    for m in modules:
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(tokens, m["K"], generator=g)
+        ref = torch.zeros(tokens, m["N"])
+        ops.lora_add(x=x, y=ref, slots=slots, A=m["A"].float(), B=m["B"].float(), part_starts=m["part_starts"])
+        got = torch.zeros(tokens, m["N"])
+        ops.lora_add(x=x, y=got, slots=slots, A=m["A_q"], B=m["B_q"], part_starts=m["part_starts"],
+                     A_scale=m["A_scale"], B_scale=m["B_scale"])
+        err = (got.double() - ref.double())
+        rel = float(err.norm() / ref.double().norm())
+        worst = float(err.abs().max() / ref.double().abs().max())
+        sq_err += float(err.pow(2).sum())
+        sq_ref += float(ref.double().pow(2).sum())
+        out.append({"shape": m["name"], "rel_l2": rel, "max_rel": worst})
+        print(f"{m['name']:<8} | {rel:>13.4%} | {worst:>21.4%}")
+    total = (sq_err / sq_ref) ** 0.5
+    out.append({"shape": "all", "rel_l2": total})
+    print(f"{'all':<8} | {total:>13.4%} |")
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cold", action="store_true", help="bfloat16 against int8 weights, from DRAM")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 512])
+    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                        help="default: 1 16 64 512 (--cold: 1 16 64)")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=RESULTS / "lora_kernel.json" if RESULTS.is_dir() else None)
-    return parser.parse_args(argv)
+    parser.add_argument("--rounds", type=int, default=None, help="default: 7 (--cold: 15)")
+    parser.add_argument("--layers", type=int, default=30, help="--cold: layers, each with its own weights")
+    parser.add_argument("--flush-mb", type=int, default=256, help="--cold: buffer read before each pass (0: none)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = [1, 16, 64] if args.cold else [1, 16, 64, 512]
+    if args.rounds is None:
+        args.rounds = 15 if args.cold else 7
+    if args.out is None and RESULTS.is_dir():
+        args.out = RESULTS / ("lora_kernel_cold.json" if args.cold else "lora_kernel.json")
+    return args
 
 
 def main(argv: list[str] | None = None, ops=None) -> None:
@@ -143,10 +305,13 @@ def main(argv: list[str] | None = None, ops=None) -> None:
         if ops is None:
             raise SystemExit("needs tokenmill's CPU kernels (python -m tokenmill.kernels)")
     torch.set_num_threads(args.threads)
-    rows = bench(ops, args)
+    if args.cold:
+        result = cold_bench(ops, args)
+    else:
+        result = {"rows": bench(ops, args)}
     if args.out is not None:
         result = {"threads": args.threads, "rounds": args.rounds, "rank": args.rank, "slots": args.slots,
-                  "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "rows": rows}
+                  "machine": platform.processor() or platform.machine(), "torch": torch.__version__, **result}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")
 

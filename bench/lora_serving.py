@@ -2,16 +2,18 @@
 over distinct adapters, over each base (bfloat16, 4-bit), plus adapter load time and memory.
 
     python bench/lora_serving.py [--model smollm2-135m-instruct] [--bases bf16 q4 int4]
-                                 [--streams 16] [--adapters 8] [--rank 16] [--rounds 3]
-                                 [--prompt-tokens 256] [--max-tokens 128]
+                                 [--lora-dtypes auto int8] [--streams 16] [--adapters 8] [--rank 16]
+                                 [--rounds 3] [--prompt-tokens 256] [--max-tokens 128]
 
 Load: ``--streams`` sequences at once (``max_num_seqs`` = streams), each a different prompt of
 ``--prompt-tokens`` tokens from the corpus, ``--max-tokens`` greedy tokens with EOS ignored;
 "lora" spreads them round-robin over ``--adapters`` random adapters of rank ``--rank`` on all
 seven projections (PEFT format, written here: scaled like a trained adapter, B nonzero), "base"
-runs them on the base model. Base and lora alternate within each round; the figure is the median
-output tok/s (generated tokens / wall time of the whole batch, prefill included) and the ratio
-lora / base.
+runs them on the base model. "lora-auto" holds the slots in the model's dtype, "lora-int8" in int8
+(``lora_dtype``), each its own LLM on the same weights. The runs rotate within each round; the
+figure is the median output tok/s (generated tokens / wall time of the whole batch, prefill
+included) and the ratio to base. int8's quality cost: how much of each greedy output it shares
+with lora-auto's before the first difference.
 
 Bases: ``bf16`` the GGUF dequantized to bfloat16; ``q4`` the GGUF's own 4-bit weights served
 natively (dtype auto); ``int4`` ``tokenmill quantize``'s INT4 g32 weights, quantized in-process.
@@ -60,30 +62,45 @@ def write_adapter(path: Path, cfg, rank: int, seed: int) -> None:
             h.rsplit(".", 1)[1] for h in HF_PROJECTIONS.values()), "lora_dropout": 0.0, "bias": "none"}))
 
 
-def make_llm(model: str, base: str, streams: int, adapters: int, rank: int, tmp: Path) -> LLM:
+def make_llm(model: str, base: str, args, lora_dtype: str, tmp: Path) -> LLM:
     if base == "int4":
-        from tokenmill.quantization import Int4WeightOnlyConfig, quantize, save_quantized
+        int4_dir = tmp / "int4"
+        if not int4_dir.exists():
+            from tokenmill.quantization import Int4WeightOnlyConfig, quantize, save_quantized
 
-        print("  quantizing to int4 g32 ...", flush=True)
-        model = str(save_quantized(quantize(model, Int4WeightOnlyConfig(group_size=32), progress=False),
-                                   tmp / "int4"))
+            print("  quantizing to int4 g32 ...", flush=True)
+            save_quantized(quantize(model, Int4WeightOnlyConfig(group_size=32), progress=False), int4_dir)
+        model = str(int4_dir)
     dtype = "bfloat16" if base == "bf16" else "auto"
-    return LLM(model, dtype=dtype, max_num_seqs=streams, enable_lora=True, max_loras=adapters,
-               max_lora_rank=rank, max_cpu_loras=adapters, enable_prefix_caching=False)
+    return LLM(model, dtype=dtype, max_num_seqs=args.streams, enable_lora=True, max_loras=args.adapters,
+               max_lora_rank=args.rank, max_cpu_loras=args.adapters, lora_dtype=lora_dtype,
+               enable_prefix_caching=False)
 
 
-def run_batch(llm: LLM, prompts: list[list[int]], adapters: list[str | None], max_tokens: int) -> float:
+def run_batch(llm: LLM, prompts: list[list[int]], adapters: list[str | None], max_tokens: int
+              ) -> tuple[float, list[list[int]]]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, lora=adapters)
     seconds = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    return sum(map(len, tokens)) / seconds, tokens
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each greedy output that two runs share before they first differ."""
+    shared = []
+    for x, y in zip(a, b):
+        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        shared.append(n / max(len(x), 1))
+    return sum(shared) / len(shared)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--bases", nargs="+", default=["bf16", "q4"], choices=["bf16", "q4", "int4"])
+    parser.add_argument("--lora-dtypes", nargs="+", default=["auto", "int8"], choices=["auto", "int8"])
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
@@ -96,45 +113,50 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for base in args.bases:
             print(f"base {base}", flush=True)
-            llm = make_llm(args.model, base, args.streams, args.adapters, args.rank, Path(tmp))
-            manager = llm.engine.lora
+            llms = {d: make_llm(args.model, base, args, d, Path(tmp)) for d in args.lora_dtypes}
+            first = llms[args.lora_dtypes[0]]
             paths = []
             for i in range(args.adapters):
                 paths.append(Path(tmp) / f"adapter{i}")
                 if not paths[-1].exists():
-                    write_adapter(paths[-1], llm.model_config, args.rank, seed=i)
+                    write_adapter(paths[-1], first.model_config, args.rank, seed=i)
             load_ms = []
-            for i, path in enumerate(paths):
-                start = time.perf_counter()
-                llm.load_lora(f"a{i}", str(path))
-                load_ms.append((time.perf_counter() - start) * 1e3)
-            adapter = manager.get("a0")
-            text = fetch_corpus()
-            ids = llm.tokenizer.encode(text[:200_000])
+            for llm in llms.values():
+                for i, path in enumerate(paths):
+                    start = time.perf_counter()
+                    llm.load_lora(f"a{i}", str(path))
+                    load_ms.append((time.perf_counter() - start) * 1e3)
+            text = fetch_corpus().read_text(encoding="utf-8")
+            ids = first.tokenizer.encode(text[:200_000])
             prompts = [ids[i * 997:i * 997 + args.prompt_tokens] for i in range(args.streams)]
             names = [f"a{i % args.adapters}" for i in range(args.streams)]
-            run_batch(llm, prompts[:2], names[:2], 8)  # warm-up: kernels, slots
-            run_batch(llm, prompts[:2], [None, None], 8)
-            base_tps, lora_tps = [], []
+            runs = [("base", first, [None] * args.streams)] + [(f"lora-{d}", llm, names) for d, llm in llms.items()]
+            for _, llm, adapters in runs:  # warm-up: kernels, slots, decode stacks
+                run_batch(llm, prompts[:4], adapters[:4], 8)
+            speeds: dict[str, list[float]] = {kind: [] for kind, _, _ in runs}
+            outputs: dict[str, list[list[int]]] = {}
             for r in range(args.rounds):
-                for kind in (("base", "lora") if r % 2 == 0 else ("lora", "base")):
-                    tps = run_batch(llm, prompts, [None] * args.streams if kind == "base" else names, args.max_tokens)
-                    (base_tps if kind == "base" else lora_tps).append(tps)
+                for kind, llm, adapters in runs[r % len(runs):] + runs[:r % len(runs)]:
+                    tps, outputs[kind] = run_batch(llm, prompts, adapters, args.max_tokens)
+                    speeds[kind].append(tps)
                     print(f"  round {r} {kind}: {tps:.1f} tok/s", flush=True)
-            entry = {
-                "base_tok_s": base_tps, "lora_tok_s": lora_tps,
-                "base_median": statistics.median(base_tps), "lora_median": statistics.median(lora_tps),
-                "load_ms_median": statistics.median(load_ms), "load_ms": load_ms,
-                "adapter_mib_host_float32": adapter.nbytes / 2**20,
-                "slot_mib_per_adapter": manager.slots.nbytes / manager.slots.num_slots / 2**20,
-            }
-            entry["ratio"] = entry["lora_median"] / entry["base_median"]
+            entry: dict = {"tok_s": speeds, "median": {k: statistics.median(v) for k, v in speeds.items()},
+                           "load_ms_median": statistics.median(load_ms), "load_ms": load_ms,
+                           "adapter_mib_host_float32": first.engine.lora.get("a0").nbytes / 2**20,
+                           "slot_mib_per_adapter": {d: llm.engine.lora.slots.nbytes / args.adapters / 2**20
+                                                    for d, llm in llms.items()}}
+            entry["ratio"] = {k: v / entry["median"]["base"] for k, v in entry["median"].items() if k != "base"}
+            if "lora-auto" in outputs and "lora-int8" in outputs:
+                entry["int8_greedy_agreement"] = agreement(outputs["lora-auto"], outputs["lora-int8"])
             results["bases"][base] = entry
-            print(f"  {base}: base {entry['base_median']:.1f} tok/s, {args.adapters} adapters "
-                  f"{entry['lora_median']:.1f} tok/s, ratio x{entry['ratio']:.3f}; load {entry['load_ms_median']:.0f} ms "
-                  f"per adapter, {entry['adapter_mib_host_float32']:.1f} MiB host (float32), "
-                  f"{entry['slot_mib_per_adapter']:.1f} MiB per slot", flush=True)
-            del llm
+            ratios = ", ".join(f"{k} {entry['median'][k]:.1f} tok/s (x{v:.3f})" for k, v in entry["ratio"].items())
+            quality = (f"; int8 slots: greedy outputs share {100 * entry['int8_greedy_agreement']:.1f}% of their "
+                       "tokens with the model-dtype slots' before the first difference"
+                       if "int8_greedy_agreement" in entry else "")
+            print(f"  {base}: base {entry['median']['base']:.1f} tok/s; {args.adapters} adapters: {ratios}; load "
+                  f"{entry['load_ms_median']:.0f} ms per adapter, {entry['adapter_mib_host_float32']:.1f} MiB host "
+                  f"(float32), MiB per slot {entry['slot_mib_per_adapter']}{quality}", flush=True)
+            del llms, first
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = RESULTS / f"lora_serving-{stamp}.json"
@@ -150,15 +172,18 @@ def _plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     bases = list(results["bases"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = range(len(bases))
-    ax.bar([x - 0.2 for x in xs], [results["bases"][b]["base_median"] for b in bases], 0.4, label="base alone")
-    ax.bar([x + 0.2 for x in xs], [results["bases"][b]["lora_median"] for b in bases], 0.4,
-           label=f"{results['config']['adapters']} adapters")
-    for x, b in zip(xs, bases):
-        ax.text(x + 0.2, results["bases"][b]["lora_median"], f"x{results['bases'][b]['ratio']:.2f}", ha="center",
-                va="bottom")
-    ax.set_xticks(list(xs), bases)
+    kinds = list(results["bases"][bases[0]]["median"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(kinds)
+    for j, kind in enumerate(kinds):
+        xs = [x + (j - (len(kinds) - 1) / 2) * width for x in range(len(bases))]
+        values = [results["bases"][b]["median"][kind] for b in bases]
+        ax.bar(xs, values, width, label=kind if kind == "base" else f"{results['config']['adapters']} adapters, "
+               f"slots {kind.removeprefix('lora-')}")
+        for x, b, v in zip(xs, bases, values):
+            if kind != "base":
+                ax.text(x, v, f"x{results['bases'][b]['ratio'][kind]:.2f}", ha="center", va="bottom")
+    ax.set_xticks(list(range(len(bases))), bases)
     ax.set_ylabel("output tok/s")
     ax.set_title(f"{results['config']['streams']} streams, rank {results['config']['rank']} on 7 projections")
     ax.legend()

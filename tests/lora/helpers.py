@@ -44,9 +44,10 @@ def tiny_hf_model(family: str, path, seed: int = 0):
     return model
 
 
-def random_adapter(base, path, seed: int, r: int = 8, alpha: float = 16, targets=ALL_PROJECTIONS, **extra):
-    """A PEFT adapter with random A and B (B is zero at PEFT's default init) on a copy of ``base``,
-    saved at ``path``; returns the PEFT model (unmerged)."""
+def random_adapter(base, path, seed: int, r: int = 8, alpha: float = 16, targets=ALL_PROJECTIONS,
+                   b_gain: float = 4.0, **extra):
+    """A PEFT adapter with random A and B (B is zero at PEFT's default init; PEFT's random B times
+    ``b_gain``) on a copy of ``base``, saved at ``path``; returns the PEFT model (unmerged)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
@@ -56,7 +57,7 @@ def random_adapter(base, path, seed: int, r: int = 8, alpha: float = 16, targets
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
-                p.mul_(4.0)  # PEFT's random B is small; make the update matter against the base
+                p.mul_(b_gain)  # PEFT's random B is small; make the update matter against the base
     peft_model.save_pretrained(path)
     return peft_model
 

@@ -124,3 +124,19 @@ def test_adapter_over_quantized_base_matches_peft_on_dequantized_base(method, tm
     slots.assign(0, load_adapter("a", tmp_path / "adapter", ours.config))
     got = lora_logits(ours, slots, [IDS], [0])[0]
     assert (got - merged_logits(peft_model, IDS)).abs().max().item() <= 1e-3
+
+
+def test_int8_slots_stay_close_to_exact(tmp_path):
+    """int8 slot storage (lora_dtype int8): each row of A and B rounded to 127 levels of its own
+    scale. With an update of a trained adapter's size (here it moves the logits by about their own
+    scale), in float32 the logits stay within 2% of the adapter's effect of the exact ones."""
+    base = tiny_hf_model("llama", tmp_path / "base")
+    peft_model = random_adapter(base, tmp_path / "adapter", seed=3, b_gain=0.25)
+    exact = merged_logits(peft_model, IDS)
+    effect = (exact - hf_logits(base, IDS)).abs().max().item()
+    ours = build_model(open_hf(tmp_path / "base"), torch.float32, "cpu")
+    slots = LoRASlots(ours.config, 1, 8, torch.float32, "cpu", int8=True)
+    slots.assign(0, load_adapter("a", tmp_path / "adapter", ours.config))
+    assert slots.modules["layers.0.attn.qkv"].A.dtype == torch.int8
+    error = (lora_logits(ours, slots, [IDS], [0])[0] - exact).abs().max().item()
+    assert 0 < error <= 0.02 * effect and effect > 0.1, (error, effect)

@@ -57,7 +57,8 @@ class LoRAManager:
     def __init__(self, config: LoRAConfig, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self.config, self.model_config = config, model_config
-        self.slots = LoRASlots(model_config, config.max_loras, config.max_lora_rank, dtype, device)
+        self.slots = LoRASlots(model_config, config.max_loras, config.max_lora_rank, dtype, device,
+                               int8=config.lora_dtype == "int8")
         self._paths: dict[str, tuple[str, int]] = {}
         """name -> (path, unix time registered)."""
         self._memory: OrderedDict[str, LoRAAdapter] = OrderedDict()

@@ -45,14 +45,20 @@ class ModuleStack:
     """int64 [parts + 1], on CPU."""
     part_bounds: list[int]
     """The same, as a list."""
+    A_scale: torch.Tensor | None = None
+    """int8 ``A``: float32 [slots, parts, R], each row's scale; else None."""
+    B_scale: torch.Tensor | None = None
+    """int8 ``B``: float32 [slots, out], each row's scale; else None."""
 
 
 class LoRASlots:
-    """``num_slots`` places for adapters' weights, in the model's dtype on its device."""
+    """``num_slots`` places for adapters' weights, in the model's dtype on its device, or with
+    ``int8``: int8 with a float32 scale per row of A (over ``in``) and of B (over R), half the
+    bytes a decode step reads from memory for them (symmetric round-to-nearest, 127 levels)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        self.cfg, self.num_slots, self.max_rank, self.dtype = cfg, num_slots, max_rank, dtype
+                 device: torch.device | str, int8: bool = False) -> None:
+        self.cfg, self.num_slots, self.max_rank, self.dtype, self.int8 = cfg, num_slots, max_rank, dtype, int8
         self.device = torch.device(device)
         self.modules: dict[str, ModuleStack] = {}
         """``layers.3.attn.qkv`` -> its stack, for the modules some adapter has targeted."""
@@ -67,10 +73,13 @@ class LoRASlots:
             bounds = [0]
             for out, _ in shapes:
                 bounds.append(bounds[-1] + out)
-            kw = {"dtype": self.dtype, "device": self.device}
+            kw = {"dtype": torch.int8 if self.int8 else self.dtype, "device": self.device}
             stack = ModuleStack(torch.zeros(self.num_slots, len(parts), self.max_rank, shapes[0][1], **kw),
                                 torch.zeros(self.num_slots, bounds[-1], self.max_rank, **kw),
                                 torch.tensor(bounds, dtype=torch.long), bounds)
+            if self.int8:
+                stack.A_scale = torch.zeros(self.num_slots, len(parts), self.max_rank, device=self.device)
+                stack.B_scale = torch.zeros(self.num_slots, bounds[-1], device=self.device)
             self.modules[module] = stack
         return stack
 
@@ -84,6 +93,9 @@ class LoRASlots:
             module, part = FUSED_INTO.get(projection, (projection, 0))
             stack = self._stack(f"{prefix}.{module}")
             r, lo, hi = a.shape[0], stack.part_bounds[part], stack.part_bounds[part + 1]
+            if self.int8:
+                a, stack.A_scale[slot, part, :r] = quantize_rows(a)
+                b, stack.B_scale[slot, lo:hi] = quantize_rows(b)
             stack.A[slot, part, :r].copy_(a)
             stack.B[slot, lo:hi, :r].copy_(b)
         self.adapters[slot] = adapter
@@ -93,13 +105,23 @@ class LoRASlots:
         if self.adapters[slot] is None:
             return
         for stack in self.modules.values():
-            stack.A[slot].zero_()
-            stack.B[slot].zero_()
+            for t in (stack.A, stack.B, stack.A_scale, stack.B_scale):
+                if t is not None:
+                    t[slot].zero_()
         self.adapters[slot] = None
 
     @property
     def nbytes(self) -> int:
-        return sum(s.A.numel() * s.A.element_size() + s.B.numel() * s.B.element_size() for s in self.modules.values())
+        return sum(t.numel() * t.element_size() for s in self.modules.values()
+                   for t in (s.A, s.B, s.A_scale, s.B_scale) if t is not None)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [rows, n] -> (int8 [rows, n], float32 scale [rows]): w ~ q * scale, symmetric, by rows."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 class LoRABatch:
@@ -144,15 +166,19 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, batch: LoRABatch, stack: ModuleSt
     x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
     ops = dispatch.for_inference(x2, stack.A, stack.B)
     if ops is not None and y2.dtype == x2.dtype and not (torch.is_grad_enabled() and y2.requires_grad):
-        ops.lora_add(x=x2, y=y2, slots=batch.token_slots, A=stack.A, B=stack.B, part_starts=stack.part_starts)
+        ops.lora_add(x=x2, y=y2, slots=batch.token_slots, A=stack.A, B=stack.B, part_starts=stack.part_starts,
+                     A_scale=stack.A_scale, B_scale=stack.B_scale)
         return y
     out = y2.clone() if torch.is_grad_enabled() and (y2.requires_grad or x2.requires_grad) else y2
     parts, rank = stack.A.shape[1], stack.A.shape[2]
     bounds = stack.part_bounds
     for slot, rows in batch.segments():
-        h = x2[rows].float() @ stack.A[slot].reshape(parts * rank, -1).float().T  # [m, parts * R]
+        a, b = stack.A[slot].float(), stack.B[slot].float()
+        if stack.A_scale is not None:
+            a, b = a * stack.A_scale[slot][..., None], b * stack.B_scale[slot][:, None]
+        h = x2[rows].float() @ a.reshape(parts * rank, -1).T  # [m, parts * R]
         for p in range(parts):
             lo, hi = bounds[p], bounds[p + 1]
-            delta = h[:, p * rank:(p + 1) * rank] @ stack.B[slot, lo:hi].float().T
+            delta = h[:, p * rank:(p + 1) * rank] @ b[lo:hi].T
             out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
     return out.view(y.shape)

@@ -64,10 +64,10 @@ class CausalLM(nn.Module):
         rope_global = self.rotary_global(positions, h.dtype)
         rope_local = self.rotary_local(positions, h.dtype) if self.config.rope_local_theta else rope_global
         decode_only = meta is not None and meta.query_start_loc[-1] == meta.num_seqs
-        fused = self.fused_decoder(kv_cache) if decode_only and self.use_fused_decode and lora is None \
-            and not torch.is_grad_enabled() else None
+        fused = self.fused_decoder(kv_cache) if decode_only and self.use_fused_decode and not torch.is_grad_enabled() \
+            else None
         if fused is not None:
-            return fused.run(h, [rope_global, rope_local], meta)
+            return fused.run(h, [rope_global, rope_local], meta, lora)
         for i, block in enumerate(self.layers):
             rope = rope_local if self.config.layer_type(i) == "sliding" else rope_global
             h = block(h, rope, kv_cache.layer(i), meta, None if lora is None else lora.layer(i))

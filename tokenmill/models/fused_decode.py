@@ -26,6 +26,7 @@ from tokenmill.attention.paged import PagedAttentionBackend
 from tokenmill.kernels import dispatch
 from tokenmill.kernels.linear_spec import CpuLinearSpec, LinearKind
 from tokenmill.models.layers import packed_bf16_weight, weight_key
+from tokenmill.lora.slots import LoRABatch
 
 ROPE_GLOBAL, ROPE_LOCAL = 0, 1
 """Indices of the (cos, sin) tables in :meth:`FusedDecoder.run`'s ``ropes``: global, then local
@@ -50,6 +51,10 @@ def linear_spec(module: nn.Module, ops) -> CpuLinearSpec | None:
     return describe() if callable(describe) else None
 
 
+LORA_MODULES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+"""The stack's LoRA module indices (decoder.cpp's LoraModule)."""
+
+
 class FusedDecoder:
     """A model's decoder layers bound to one KV cache, as one ``DecodeStack``."""
 
@@ -65,6 +70,9 @@ class FusedDecoder:
         changed since (in place or replaced) rebuilds it too."""
         self.plan_keys = plan_keys
         """(KV group, sliding window) of each attention plan the layers use."""
+        self._lora_stacks: tuple[int, int] | None = None
+        """(id, size) of the LoRA stacks last handed to the stack's set_lora (they grow as adapters
+        target new modules; slots are assigned in place, which the stack sees without this)."""
 
     @classmethod
     def build(cls, model: nn.Module, kv_cache: PagedKVCache) -> FusedDecoder | None:
@@ -124,11 +132,26 @@ class FusedDecoder:
                 and all(weight_key(m._parameters["weight"]) == key for m, key in self.packed))
 
     def run(self, h: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
-            meta: PagedAttentionMetadata) -> torch.Tensor:
-        """h [B, hidden] embeddings of the new tokens -> hidden states after the last layer."""
+            meta: PagedAttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
+        """h [B, hidden] embeddings of the new tokens -> hidden states after the last layer, with
+        each token's LoRA update (``lora``) added to its projections' outputs where it has one."""
         plans = []
         for group, window in self.plan_keys:
             d = meta.plan(group, window).kernel_decodes()
             plans.append(self.plan_type(slots=meta.slot_mapping[group], block_tables=d.block_tables,
                                         key_start=d.key_start, key_end=d.key_end))
-        return self.stack.run(h=h, ropes=ropes, plans=plans)
+        if lora is None:
+            return self.stack.run(h=h, ropes=ropes, plans=plans)
+        self._set_lora(lora.stacks)
+        return self.stack.run(h=h, ropes=ropes, plans=plans, lora_slots=lora.token_slots)
+
+    def _set_lora(self, stacks) -> None:
+        key = (id(stacks), len(stacks))
+        if key == self._lora_stacks:
+            return
+        self.stack.clear_lora()
+        for name, stack in stacks.items():
+            _, layer, module = name.split(".", 2)
+            self.stack.set_lora(layer=int(layer), module=LORA_MODULES.index(module), A=stack.A, B=stack.B,
+                                part_starts=stack.part_starts, A_scale=stack.A_scale, B_scale=stack.B_scale)
+        self._lora_stacks = key

@@ -54,8 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("slots"), py::arg("rows"), py::arg("scales"));
   m.def("lora_add", &lora_add,
         "batched multi-LoRA, in place: y[t] += B[s] @ (A[s] @ x[t]) per part, s = slots[t] (rows with s < 0 "
-        "untouched) (CPU)",
+        "untouched); A and B in x's dtype, or int8 with float32 per-row scales A_scale [S, P, R] and "
+        "B_scale [S, N] (CPU)",
         py::arg("x"), py::arg("y"), py::arg("slots"), py::arg("A"), py::arg("B"), py::arg("part_starts"),
-        py::kw_only(), path);
+        py::kw_only(), py::arg("A_scale") = py::none(), py::arg("B_scale") = py::none(), path);
   bind_decoder(m);
 }

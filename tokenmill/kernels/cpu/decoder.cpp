@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -272,8 +273,19 @@ struct Linear {
   }
 };
 
+// One fused module's stacked LoRA adapter weights (tokenmill.lora.slots.ModuleStack): the update
+// lora_add (lora.cpp) adds to the module's output for each token of the step with an adapter slot.
+struct LoraWeights {
+  torch::Tensor A, B, part_starts;
+  std::optional<torch::Tensor> A_scale, B_scale;  // int8 A and B: their per-row scales
+};
+
+// The modules of a layer LoRA may adapt, in the order of Layer::lora.
+enum LoraModule : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
 struct Layer {
   Linear qkv, o, gate_up, down;
+  std::array<std::optional<LoraWeights>, 4> lora;  // qkv, o, gate_up, down: set_lora's, else none
   torch::Tensor attn_norm, ffn_norm, post_attn_norm, post_ffn_norm, q_norm, k_norm;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, plan = 0;
   double scale = 1.0;
@@ -315,18 +327,40 @@ class DecodeStack {
     layers_.push_back(std::move(l));
   }
 
+  // The LoRA stacks of ``module`` (LoraModule) of ``layer``: run() with lora_slots adds their update.
+  // The tensors are held, not copied: assigning a slot in place is seen by the next run().
+  void set_lora(int64_t layer, int64_t module, torch::Tensor A, torch::Tensor B, torch::Tensor part_starts,
+                std::optional<torch::Tensor> A_scale, std::optional<torch::Tensor> B_scale) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && module >= 0 && module < 4,
+                "set_lora: no layer ", layer, " module ", module);
+    layers_[layer].lora[module] = LoraWeights{std::move(A), std::move(B), std::move(part_starts), std::move(A_scale),
+                                              std::move(B_scale)};
+  }
+
+  void clear_lora() {
+    for (Layer& l : layers_) l.lora.fill(std::nullopt);
+  }
+
   // h [B, hidden]; ropes: (cos, sin) [B, head_dim] per RoPE table; plans: one DecodePlan per
-  // attention plan (a layer's ``plan`` indexes them).
+  // attention plan (a layer's ``plan`` indexes them); lora_slots: int32 [B], each token's LoRA
+  // slot (-1: none) in the stacks set_lora gave, or none (no adapter this step).
   torch::Tensor run(torch::Tensor h, std::vector<std::pair<torch::Tensor, torch::Tensor>> ropes,
-                    std::vector<DecodePlan> plans) const {
+                    std::vector<DecodePlan> plans, std::optional<torch::Tensor> lora_slots) const {
     const int64_t B = h.size(0);
+    auto adapt = [&](const Layer& l, LoraModule m, const torch::Tensor& x, torch::Tensor& y) {
+      if (!lora_slots || !l.lora[m]) return;
+      const LoraWeights& w = *l.lora[m];
+      lora_add(x, y, *lora_slots, w.A, w.B, w.part_starts, w.A_scale, w.B_scale, KernelPath::Fastest);
+    };
     for (const Layer& l : layers_) {
       TORCH_CHECK(l.rope < static_cast<int64_t>(ropes.size()) && l.plan < static_cast<int64_t>(plans.size()),
                   "DecodeStack.run: missing RoPE table or attention plan");
       const auto& [cos, sin] = ropes[l.rope];
       const DecodePlan& plan = plans[l.plan];
       auto x = rms_norm(h, l.attn_norm, eps_, cast_);
-      auto qkv = qkv_rope(l.qkv(x), l.heads, l.kv_heads, l.head_dim, cos, sin,
+      auto fused_qkv = l.qkv(x);
+      adapt(l, kQkv, x, fused_qkv);
+      auto qkv = qkv_rope(fused_qkv, l.heads, l.kv_heads, l.head_dim, cos, sin,
                           l.q_norm.defined() ? std::optional<torch::Tensor>(l.q_norm) : std::nullopt,
                           l.k_norm.defined() ? std::optional<torch::Tensor>(l.k_norm) : std::nullopt, eps_, cast_);
       write_kv(l, plan.slots, qkv[1], qkv[2]);
@@ -334,10 +368,17 @@ class DecodeStack {
                                          l.value_scales.defined() ? l.value_scales : empty_, plan.block_tables,
                                          plan.key_start, plan.key_end,
                                          l.scale, KernelPath::Fastest);
-      auto a = l.o(attn.view({B, l.heads * l.head_dim}));
+      auto heads_out = attn.view({B, l.heads * l.head_dim});
+      auto a = l.o(heads_out);
+      adapt(l, kO, heads_out, a);
       if (l.post_attn_norm.defined()) a = rms_norm(a, l.post_attn_norm, eps_, cast_);
       h = h + a;
-      auto m = l.down(act_mul(l.gate_up(rms_norm(h, l.ffn_norm, eps_, cast_)), l.gelu_tanh));
+      auto x2 = rms_norm(h, l.ffn_norm, eps_, cast_);
+      auto gate_up = l.gate_up(x2);
+      adapt(l, kGateUp, x2, gate_up);
+      auto inner = act_mul(gate_up, l.gelu_tanh);
+      auto m = l.down(inner);
+      adapt(l, kDown, inner, m);
       if (l.post_ffn_norm.defined()) m = rms_norm(m, l.post_ffn_norm, eps_, cast_);
       h = h + m;
     }
@@ -404,6 +445,10 @@ void bind_decoder(pybind11::module& m) {
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("scale"), py::arg("gelu_tanh"), py::arg("rope"), py::arg("plan"),
            py::arg("cache"))
+      .def("set_lora", &DecodeStack::set_lora, py::kw_only(), py::arg("layer"), py::arg("module"), py::arg("A"),
+           py::arg("B"), py::arg("part_starts"), py::arg("A_scale") = py::none(), py::arg("B_scale") = py::none(),
+           "the LoRA stacks of module 0..3 (qkv, o, gate_up, down) of a layer, applied by run(lora_slots=...)")
+      .def("clear_lora", &DecodeStack::clear_lora, "forget every set_lora")
       .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>(), py::arg("h"), py::arg("ropes"),
-           py::arg("plans"));
+           py::arg("plans"), py::arg("lora_slots") = py::none());
 }

@@ -71,8 +71,11 @@ void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows
 // slots[t] >= 0, y[t, o] += sum_r B[s, o, r] * h[part(o), r] with h[p, r] = sum_k x[t, k] * A[s, p, r, k],
 // s = slots[t], h in float32, y rounded once. x [T, K], y [T, N] (row stride >= N), slots int32 [T],
 // A [S, P, R, K], B [S, N, R] (x's dtype, contiguous), part_starts int64 [P + 1] from 0 to N.
+// Or A and B int8 with float32 per-row scales A_scale [S, P, R] and B_scale [S, N] (contiguous):
+// A = A_q * A_scale[..., None], B = B_q * B_scale[..., None], each scale applied to a finished sum.
 void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tensor A, torch::Tensor B,
-              torch::Tensor part_starts, KernelPath path);
+              torch::Tensor part_starts, std::optional<torch::Tensor> A_scale, std::optional<torch::Tensor> B_scale,
+              KernelPath path);
 
 // decoder.cpp: rms_norm, qkv_rope, act_mul, LinearKind, Linear and DecodeStack
 void bind_decoder(pybind11::module& m);

@@ -12,26 +12,46 @@
 // LoRA scaling is the caller's, folded into B. h stays float32 (never rounded to the model dtype),
 // the expand accumulates in float32 and y is rounded once: y = dtype(float(y) + delta).
 //
+// int8 weights (half the bytes a decode step reads): A and B int8 with float32 scales per row,
+// A[s, p, r, k] = A_q * A_scale[s, p, r] and B[s, o, r] = B_q * B_scale[s, o]:
+//   h[p, r] = A_scale[s, p, r] * (sum_k x[t, k] * float(A_q[s, p, r, k]))
+//   delta[o] = B_scale[s, o] * (sum_r float(B_q[s, o, r]) * h[part(o), r])
+// the sums in float32, in the same orders as with float weights (int8 -> float32 is exact), each
+// scale applied once to a finished sum.
+//
 // Fastest path (AVX-512): tokens are grouped by slot (a counting sort) and cut into chunks of up
 // to kChunk tokens of one slot, so that a slot's A and B are read once per chunk, not per token.
 //  - shrink: A[s] as [P * R, K]; MT tokens times RG rows of A (MT * RG <= 16 accumulators), one
 //    16-wide FMA chain per (token, row) over k (bfloat16 with AVX-512 BF16: vdpbf16ps, 32 k per
 //    step, products exact, sums float32), then the 16 chains' lanes summed together (sum_lanes16).
+//    int8 A: 16 k a step widened to float32 (vpmovsxbd, vcvtdq2ps), FMA chains whatever x's dtype.
 //  - expand: per token and output, acc = 0, then acc = fma(h[r], B[o, r], acc) for r = 0 .. R - 1
 //    (16 outputs a vector: no horizontal sums), then y = dtype(float(y) + acc). B's rows [o][r] are
 //    transposed 16 x 16 at a time (bfloat16: 24 two-source permutes of pairs of r, then widened;
-//    float32: 64 shuffles). A chunk of up to kFewTokens tokens (decode: a few tokens a slot) uses
-//    each transposed block from registers at once; a longer one (prefill) transposes its range of
-//    outputs once into an L1 buffer and runs tiles of 4 tokens x 64 outputs over it.
+//    float32: 64 shuffles; int8: 8 two-source permutes of groups of 4 r, then each byte moved to
+//    the top of its 32 bits and converted, B * 2^24 exactly, the 2^-24 undone on the sum). A
+//    chunk of up to kFewTokens tokens (decode: a few tokens a slot) uses each transposed block
+//    from registers at once; a longer one (prefill) transposes its range of outputs once into an
+//    L1 buffer and runs tiles of 4 tokens x 64 outputs over it.
 // Each (token, row) and (token, output) is computed by one fixed sequence of operations whatever
 // the tile or path it goes through, the other tokens of the batch and the thread that runs it: a
 // token's result is bit-identical alone or in any batch (batch invariance).
 //
 // Threads: calls under kSerialMacs multiply-adds run on the calling thread; others open one
-// parallel region. Its work items, shrink items (chunk, rows of A) then expand items (chunk, range
-// of outputs), about kItemMacs multiply-adds each, are taken in that order from an atomic counter;
-// an expand item waits (rarely) until its chunk's shrink items are done, which cannot deadlock
-// since every shrink item has been taken, by a running thread, before any expand item is.
+// parallel region. Its work items, shrink items (chunk, rows of A) and expand items (chunk, range
+// of outputs), about kItemMacs multiply-adds each, are split into one contiguous share per thread
+// (by cost: multiply-adds and bytes), so that each thread sweeps its own stretch of A, then of B,
+// in address order. A thread runs its share's shrink items, then takes what is left of the other
+// shares' (an atomic counter each), then does the same with expand items. An expand item waits
+// (rarely) until its chunk's shrink items are done, which cannot deadlock since a thread takes an
+// expand item only once every shrink item has been taken, by a running thread.
+//
+// Memory: at decode (a few tokens a slot) the kernel streams its slots' weights, often cold (a
+// model's layers' adapters do not stay in cache from one step to the next), in runs of a few KiB
+// to tens of KiB: too short for the hardware prefetchers. Every loop over weights prefetches
+// ahead of itself in software (the shrink the next tile's rows, the expand kExpandAhead bytes of
+// B further, a thread's first items at its start), which with the address-order shares means
+// prefetching the thread's own next item.
 //
 // Portable path: per token, plain loops in the same order of operations (k, then r).
 
@@ -42,6 +62,8 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -61,48 +83,58 @@ constexpr int64_t kMaxExpandOut = 1024;   // outputs per expand item, at most
 constexpr int64_t kSerialMacs = 1 << 17;  // below this many multiply-adds a call runs on one thread
 constexpr int kSpins = 512;               // pauses before a waiting thread yields its core
 
-template <typename T>
+// T: x's and y's dtype; W: the weights' (T, or int8 with scales).
+template <typename T, typename W>
 struct Problem {
   const T* x;
   int64_t xs;  // x's row stride
   T* y;
   int64_t ys;  // y's row stride
-  const T* A;
-  const T* B;
+  const W* A;
+  const W* B;
+  const float* A_scale;  // int8 W: [S, P * R]; else null
+  const float* B_scale;  // int8 W: [S, N]; else null
   const int64_t* starts;  // part_starts [P + 1]
   int64_t K, N, P, R, PR;
 };
 
+template <typename W>
+constexpr bool kInt8 = std::is_same_v<W, int8_t>;
+
 inline float to_f(float v) { return v; }
 inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_f(int8_t v) { return static_cast<float>(v); }
 
 // ---------------------------------------------------------------------------------------------
-// Portable path: one token at a time; h in float32, k in order, then r in order.
-template <typename T>
-void token_portable(const Problem<T>& p, int64_t t, int64_t s, float* h) {
+// Portable path: one token at a time; h in float32, k in order, then r in order (int8: each sum
+// times its row's scale).
+template <typename T, typename W>
+void token_portable(const Problem<T, W>& p, int64_t t, int64_t s, float* h) {
   const T* xr = p.x + t * p.xs;
-  const T* As = p.A + s * p.PR * p.K;
+  const W* As = p.A + s * p.PR * p.K;
   for (int64_t row = 0; row < p.PR; ++row) {
-    const T* ar = As + row * p.K;
+    const W* ar = As + row * p.K;
     float acc = 0.f;
     for (int64_t k = 0; k < p.K; ++k) acc += to_f(xr[k]) * to_f(ar[k]);
+    if constexpr (kInt8<W>) acc *= p.A_scale[s * p.PR + row];
     h[row] = acc;
   }
-  const T* Bs = p.B + s * p.N * p.R;
+  const W* Bs = p.B + s * p.N * p.R;
   T* yr = p.y + t * p.ys;
   for (int64_t part = 0; part < p.P; ++part) {
     const float* hp = h + part * p.R;
     for (int64_t o = p.starts[part]; o < p.starts[part + 1]; ++o) {
-      const T* br = Bs + o * p.R;
+      const W* br = Bs + o * p.R;
       float d = 0.f;
       for (int64_t r = 0; r < p.R; ++r) d += to_f(br[r]) * hp[r];
+      if constexpr (kInt8<W>) d *= p.B_scale[s * p.N + o];
       yr[o] = static_cast<T>(to_f(yr[o]) + d);
     }
   }
 }
 
-template <typename T>
-void run_portable(const Problem<T>& p, const int32_t* slots, int64_t T_) {
+template <typename T, typename W>
+void run_portable(const Problem<T, W>& p, const int32_t* slots, int64_t T_) {
   const int64_t per_token = p.PR * p.K + p.N * p.R;
   at::parallel_for(0, T_, std::max<int64_t>(1, kSerialMacs / std::max<int64_t>(per_token, 1)),
                    [&](int64_t begin, int64_t end) {
@@ -125,6 +157,47 @@ inline __mmask16 lanes(int64_t n) {
 template <typename V>
 inline void in_register(V& v) {
   asm("" : "+v"(v));
+}
+
+// 16 weights or x values widened to float32 (int8: exact), all or the lanes of a mask (others 0).
+template <typename W>
+inline __m512 widen16(const W* p) {
+  return load16(p);
+}
+template <typename W>
+inline __m512 widen16(const W* p, __mmask16 m) {
+  if constexpr (kInt8<W>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+  } else {
+    return load16(p, m);
+  }
+}
+
+// Software prefetch (see "Memory" above): the shrink the next tile's rows (the same offsets, RG
+// rows further), the expand kExpandAhead bytes further in B (and the matching B_scale line); past
+// an item's end that is the next item of the same thread (see run_fast).
+constexpr int64_t kExpandAhead = 2048;  // bytes of B
+constexpr int64_t kStartAhead = 4096;   // bytes of a thread's first shrink and first expand item
+
+inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// Every line of [p, p + bytes).
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t line = a & ~uintptr_t{63}; line < a + static_cast<uintptr_t>(bytes); line += 64)
+    prefetch_line(reinterpret_cast<const void*>(line));
+}
+
+// B's rows [o + kExpandAhead / row bytes, + 16), as the expand starts on outputs [o, o + 16) of
+// bs = B[s] (bscale = B_scale[s] with int8 weights, else unused).
+template <typename W>
+inline void prefetch_b_ahead(const W* bs, const float* bscale, int64_t R, int64_t o) {
+  const int64_t row_bytes = R * static_cast<int64_t>(sizeof(W));
+  const char* q = reinterpret_cast<const char*>(bs + o * R) + kExpandAhead;
+  for (int64_t l = 0; l < 16 * row_bytes; l += 64) prefetch_line(q + l);
+  if constexpr (kInt8<W>) {
+    if (bscale != nullptr) prefetch_line(bscale + o + kExpandAhead / row_bytes);
+  }
 }
 
 // y[m][0 .. 15] = dtype(float(y) + d[m]) for MT rows of y, the first live lanes. Every row is
@@ -153,19 +226,21 @@ inline void add_rows(T* const* yp, int64_t off, const __m512 (&d)[MT], int64_t l
 
 // Shrink, MT tokens x RG rows: acc[m][g] = the 16 lane sums of x[m] * a[g] over k, 16 k a step
 // (values widened to float32 on load, one FMA each).
-template <int MT, int RG, typename T>
-inline void shrink_fma(const T* const* xp, const T* const* ap, int64_t K, __m512 (&acc)[MT][RG]) {
+template <int MT, int RG, typename T, typename W>
+inline void shrink_fma(const T* const* xp, const W* const* ap, int64_t K, __m512 (&acc)[MT][RG], int64_t ahead) {
   for (int m = 0; m < MT; ++m)
     for (int g = 0; g < RG; ++g) acc[m][g] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
+    if ((k * sizeof(W)) % 64 == 0)
+      for (int g = 0; g < RG; ++g) prefetch_line(reinterpret_cast<const char*>(ap[g] + k) + ahead);
     __m512 xv[MT];
     for (int m = 0; m < MT; ++m) {
-      xv[m] = load16(xp[m] + k);
+      xv[m] = widen16(xp[m] + k);
       in_register(xv[m]);
     }
     for (int g = 0; g < RG; ++g) {
-      __m512 av = load16(ap[g] + k);
+      __m512 av = widen16(ap[g] + k);
       in_register(av);
       for (int m = 0; m < MT; ++m) acc[m][g] = _mm512_fmadd_ps(av, xv[m], acc[m][g]);
     }
@@ -173,9 +248,9 @@ inline void shrink_fma(const T* const* xp, const T* const* ap, int64_t K, __m512
   if (k < K) {
     const __mmask16 mk = lanes(K - k);
     __m512 xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = load16(xp[m] + k, mk);
+    for (int m = 0; m < MT; ++m) xv[m] = widen16(xp[m] + k, mk);
     for (int g = 0; g < RG; ++g) {
-      const __m512 av = load16(ap[g] + k, mk);
+      const __m512 av = widen16(ap[g] + k, mk);
       for (int m = 0; m < MT; ++m) acc[m][g] = _mm512_fmadd_ps(av, xv[m], acc[m][g]);
     }
   }
@@ -185,11 +260,12 @@ inline void shrink_fma(const T* const* xp, const T* const* ap, int64_t K, __m512
 // The same for bfloat16 with vdpbf16ps: 32 k a step, each lane adding the exact products of a pair.
 template <int MT, int RG>
 inline void shrink_dp(const at::BFloat16* const* xp, const at::BFloat16* const* ap, int64_t K,
-                      __m512 (&acc)[MT][RG]) {
+                      __m512 (&acc)[MT][RG], int64_t ahead) {
   for (int m = 0; m < MT; ++m)
     for (int g = 0; g < RG; ++g) acc[m][g] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
+    for (int g = 0; g < RG; ++g) prefetch_line(reinterpret_cast<const char*>(ap[g] + k) + ahead);
     __m512bh xv[MT];
     for (int m = 0; m < MT; ++m) {
       xv[m] = (__m512bh)_mm512_loadu_si512(xp[m] + k);
@@ -214,20 +290,23 @@ inline void shrink_dp(const at::BFloat16* const* xp, const at::BFloat16* const* 
 #endif
 
 // h[m][row0 .. row0 + RG - 1] (the rows below row_end) of MT tokens, x rows xp, as = A[s] as
-// [P * R, K] (rows past row_end repeat the last one; their sums are dropped).
-template <int MT, int RG, typename T>
-inline void shrink_tile(const T* const* xp, const T* as, int64_t K, int64_t row0, int64_t row_end, float* const* hp) {
-  const T* ap[RG];
+// [P * R, K] (rows past row_end repeat the last one; their sums are dropped); int8: each sum times
+// its row's scale, scale = A_scale[s].
+template <int MT, int RG, typename T, typename W>
+inline void shrink_tile(const T* const* xp, const W* as, const float* scale, int64_t K, int64_t row0,
+                        int64_t row_end, float* const* hp) {
+  const W* ap[RG];
   for (int g = 0; g < RG; ++g) ap[g] = as + std::min<int64_t>(row0 + g, row_end - 1) * K;
+  const int64_t ahead = RG * K * static_cast<int64_t>(sizeof(W));  // the next tile's rows
   __m512 acc[MT][RG];
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    shrink_dp<MT, RG>(xp, ap, K, acc);
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<W, T>) {
+    shrink_dp<MT, RG>(xp, ap, K, acc, ahead);
   } else {
-    shrink_fma<MT, RG, T>(xp, ap, K, acc);
+    shrink_fma<MT, RG, T, W>(xp, ap, K, acc, ahead);
   }
 #else
-  shrink_fma<MT, RG, T>(xp, ap, K, acc);
+  shrink_fma<MT, RG, T, W>(xp, ap, K, acc, ahead);
 #endif
   __m512 v[16];
   for (int i = 0; i < 16; ++i) v[i] = _mm512_setzero_ps();
@@ -237,7 +316,13 @@ inline void shrink_tile(const T* const* xp, const T* as, int64_t K, int64_t row0
   _mm512_store_ps(sums, sum_lanes16(v));
   const int rows = static_cast<int>(std::min<int64_t>(RG, row_end - row0));
   for (int m = 0; m < MT; ++m)
-    for (int g = 0; g < rows; ++g) hp[m][row0 + g] = sums[m * RG + g];
+    for (int g = 0; g < rows; ++g) {
+      if constexpr (kInt8<W>) {
+        hp[m][row0 + g] = sums[m * RG + g] * scale[row0 + g];
+      } else {
+        hp[m][row0 + g] = sums[m * RG + g];
+      }
+    }
 }
 
 // 16 x 16 float32 transpose in registers: v[i] lane j -> v[j] lane i.
@@ -328,13 +413,83 @@ __attribute__((always_inline)) inline void block_t(const at::BFloat16* b, int64_
   }
 }
 
+// int8: the 16 x 16 block as 16 rows x 4 groups of 4 r (32 bits each), 4 rows a register,
+// transposed by 8 two-source permutes into T[c] (lane i: group c of row i), then byte j of each
+// lane moved to its top byte with the others zero and converted: bt[4c + j] = B[s, o + i, 4c + j]
+// * 2^24 in lane i, exactly (the caller multiplies the finished sum by 2^-24, exactly: the sums
+// are those of the unscaled values times 2^24, same roundings).
+constexpr float kInt8Unscale = 1.f / 16777216.f;  // 2^-24
+
+alignas(64) constexpr int32_t kGroupIdx[2][16] = {
+    // rows 0-7 of two registers of 4 rows, group 2e (lanes 0-7) then 2e + 1 (lanes 8-15)
+    {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29},
+    {2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31}};
+
+// vpshufb indices, byte j (0 .. 2) of each 32-bit lane to its top byte, the others zero.
+struct TopByteIdx {
+  alignas(64) int8_t v[3][64];
+  constexpr TopByteIdx() : v() {
+    for (int j = 0; j < 3; ++j)
+      for (int b = 0; b < 64; ++b) v[j][b] = b % 4 == 3 ? static_cast<int8_t>(b % 16 - 3 + j) : int8_t{-128};
+  }
+};
+constexpr TopByteIdx kTopByte{};
+
+__attribute__((always_inline)) inline void block_t(const int8_t* b, int64_t R, int64_t r0, int64_t rc, int64_t live,
+                                                   __m512 (&bt)[16]) {
+  // X[q]: rows 4q .. 4q + 3, 16 bytes (r0 .. r0 + 15) each.
+  __m512i X[4];
+  if (R == 16 && live == 16) {
+    for (int q = 0; q < 4; ++q) X[q] = _mm512_loadu_si512(b + 64 * q);
+  } else {
+    const __mmask16 cm = lanes(rc);
+    for (int q = 0; q < 4; ++q) {
+      __m128i row[4];
+      for (int i = 0; i < 4; ++i)
+        row[i] = 4 * q + i < live ? _mm_maskz_loadu_epi8(cm, b + (4 * q + i) * R + r0) : _mm_setzero_si128();
+      X[q] = _mm512_inserti32x4(
+          _mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(row[0]), row[1], 1), row[2], 2), row[3], 3);
+    }
+  }
+  const int ng = static_cast<int>((rc + 3) / 4);  // groups needed
+  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFF000000u));
+  __m512i L[2][2];  // L[a][e]: rows 8a .. 8a + 7, groups 2e (lanes 0-7) and 2e + 1 (lanes 8-15)
+  for (int e = 0; e < 2; ++e) {
+    if (2 * e >= ng) break;
+    const __m512i idx = _mm512_load_si512(kGroupIdx[e]);
+    for (int a = 0; a < 2; ++a) L[a][e] = _mm512_permutex2var_epi32(X[2 * a], idx, X[2 * a + 1]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    if (c >= ng) break;
+    const __m512i T = _mm512_shuffle_i32x4(L[0][c / 2], L[1][c / 2], c % 2 ? 0xEE : 0x44);
+    for (int j = 0; j < 4; ++j) {
+      if (4 * c + j >= rc) break;
+      const __m512i v = j == 3 ? _mm512_and_si512(T, top) : _mm512_shuffle_epi8(T, _mm512_load_si512(kTopByte.v[j]));
+      bt[4 * c + j] = _mm512_cvtepi32_ps(v);
+    }
+  }
+}
+
+// delta = acc (the sum over r) with int8 B: times 2^-24 (block_t's factor), then times B_scale,
+// each product kept as such (no fused or reordered multiply-add, whatever the caller).
+__attribute__((always_inline)) inline __m512 int8_delta(__m512 acc, __m512 scale) {
+  __m512 d = _mm512_mul_ps(acc, _mm512_set1_ps(kInt8Unscale));
+  in_register(d);
+  d = _mm512_mul_ps(d, scale);
+  in_register(d);
+  return d;
+}
+
 // The expand of MT tokens (few: a decode chunk) over outputs [o0, o1): each block of 16 outputs
 // transposed into registers and used at once. Per token and output: acc = 0, then
-// acc = fma(h[r], B[o, r], acc) for r = 0 .. R - 1, then y = dtype(float(y) + acc).
-template <int MT, typename T>
-inline void expand_regs(const T* bs, int64_t R, int64_t o0, int64_t o1, const float* const* hp, T* const* yp) {
+// acc = fma(h[r], B[o, r], acc) for r = 0 .. R - 1, then y = dtype(float(y) + acc) (int8: acc
+// through int8_delta, bscale = B_scale[s]).
+template <int MT, typename T, typename W>
+inline void expand_regs(const W* bs, const float* bscale, int64_t R, int64_t o0, int64_t o1, const float* const* hp,
+                        T* const* yp) {
   for (int64_t o = o0; o < o1; o += 16) {
     const int64_t live = std::min<int64_t>(16, o1 - o);
+    prefetch_b_ahead(bs, bscale, R, o);
     __m512 acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
@@ -353,16 +508,22 @@ inline void expand_regs(const T* bs, int64_t R, int64_t o0, int64_t o1, const fl
             acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(hp[m][r0 + j]), _mm512_load_ps(tmp + 16 * j), acc[m]);
       }
     }
+    if constexpr (kInt8<W>) {
+      const __m512 sc = _mm512_maskz_loadu_ps(lanes(live), bscale + o);
+      for (int m = 0; m < MT; ++m) acc[m] = int8_delta(acc[m], sc);
+    }
     add_rows<MT, T>(yp, o, acc, live);
   }
 }
 
 // Outputs [o0, o0 + ld) of B[s] as float32 bt[r * ld + (o - o0)], ld a multiple of 64 (outputs past
-// o1 zero): the expand of more tokens transposes its range once and reads it per tile of tokens.
-template <typename T>
-inline void transpose_range(const T* bs, int64_t R, int64_t o0, int64_t o1, float* bt, int64_t ld) {
+// o1 zero; int8: times 2^24): the expand of more tokens transposes its range once and reads it per
+// tile of tokens.
+template <typename W>
+inline void transpose_range(const W* bs, int64_t R, int64_t o0, int64_t o1, float* bt, int64_t ld) {
   for (int64_t o = o0; o < o0 + ld; o += 16) {
     const int64_t live = std::min<int64_t>(16, o1 - o);
+    if (live > 0) prefetch_b_ahead(bs, static_cast<const float*>(nullptr), R, o);
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
       const int64_t rc = std::min<int64_t>(16, R - r0);
       __m512 v[16];
@@ -378,28 +539,32 @@ inline void transpose_range(const T* bs, int64_t R, int64_t o0, int64_t o1, floa
 
 // The same arithmetic as expand_regs (so bit-identical results) for MT tokens over a panel of 64
 // outputs of bt: 4 x MT accumulators, each bt vector loaded once for the MT tokens.
-template <int MT, typename T>
-inline void expand_panel(const float* bt, int64_t ld, int64_t R, const float* const* hp, T* const* yp, int64_t o,
-                         int64_t live) {
-  constexpr int W = 4;
-  __m512 acc[MT][W];
+template <int MT, typename T, typename W>
+inline void expand_panel(const float* bt, const float* bscale, int64_t ld, int64_t R, const float* const* hp,
+                         T* const* yp, int64_t o, int64_t live) {
+  constexpr int kVecs = 4;
+  __m512 acc[MT][kVecs];
   for (int m = 0; m < MT; ++m)
-    for (int w = 0; w < W; ++w) acc[m][w] = _mm512_setzero_ps();
+    for (int w = 0; w < kVecs; ++w) acc[m][w] = _mm512_setzero_ps();
   for (int64_t r = 0; r < R; ++r) {
-    __m512 b[W];
-    for (int w = 0; w < W; ++w) {
+    __m512 b[kVecs];
+    for (int w = 0; w < kVecs; ++w) {
       b[w] = _mm512_loadu_ps(bt + r * ld + 16 * w);
       in_register(b[w]);
     }
     for (int m = 0; m < MT; ++m) {
       const __m512 hv = _mm512_set1_ps(hp[m][r]);
-      for (int w = 0; w < W; ++w) acc[m][w] = _mm512_fmadd_ps(hv, b[w], acc[m][w]);
+      for (int w = 0; w < kVecs; ++w) acc[m][w] = _mm512_fmadd_ps(hv, b[w], acc[m][w]);
     }
   }
-  for (int w = 0; w < W; ++w) {
+  for (int w = 0; w < kVecs; ++w) {
     if (16 * w >= live) break;
     __m512 d[MT];
     for (int m = 0; m < MT; ++m) d[m] = acc[m][w];
+    if constexpr (kInt8<W>) {
+      const __m512 sc = _mm512_maskz_loadu_ps(lanes(live - 16 * w), bscale + o + 16 * w);
+      for (int m = 0; m < MT; ++m) d[m] = int8_delta(d[m], sc);
+    }
     add_rows<MT, T>(yp, o + 16 * w, d, live - 16 * w);
   }
 }
@@ -415,14 +580,16 @@ struct ExpandItem {
   int64_t chunk, o0, o1;
 };
 
-template <typename T>
+template <typename T, typename W>
 struct Fast {
-  const Problem<T>& p;
+  const Problem<T, W>& p;
   const int32_t* order;  // token index of each sorted position
   float* H;              // [positions, P * R]
 
   void shrink(const Chunk& c, int64_t row0, int64_t row1) const {
-    const T* as = p.A + c.slot * p.PR * p.K;
+    const W* as = p.A + c.slot * p.PR * p.K;
+    const float* scale = kInt8<W> ? p.A_scale + c.slot * p.PR : nullptr;
+    if constexpr (kInt8<W>) prefetch_span(scale + row0, (row1 - row0) * 4);  // read after the first tile
     for (int64_t pos = c.begin; pos < c.end;) {
       const int mt = static_cast<int>(std::min<int64_t>(4, c.end - pos));
       const T* xp[4];
@@ -433,10 +600,10 @@ struct Fast {
       }
       for (int64_t g0 = row0; g0 < row1;) {
         switch (mt) {
-          case 4: shrink_tile<4, 4, T>(xp, as, p.K, g0, row1, hp); g0 += 4; break;
-          case 3: shrink_tile<3, 4, T>(xp, as, p.K, g0, row1, hp); g0 += 4; break;
-          case 2: shrink_tile<2, 8, T>(xp, as, p.K, g0, row1, hp); g0 += 8; break;
-          default: shrink_tile<1, 16, T>(xp, as, p.K, g0, row1, hp); g0 += 16; break;
+          case 4: shrink_tile<4, 4, T, W>(xp, as, scale, p.K, g0, row1, hp); g0 += 4; break;
+          case 3: shrink_tile<3, 4, T, W>(xp, as, scale, p.K, g0, row1, hp); g0 += 4; break;
+          case 2: shrink_tile<2, 8, T, W>(xp, as, scale, p.K, g0, row1, hp); g0 += 8; break;
+          default: shrink_tile<1, 16, T, W>(xp, as, scale, p.K, g0, row1, hp); g0 += 16; break;
         }
       }
       pos += mt;
@@ -445,6 +612,8 @@ struct Fast {
 
   // Outputs [o0, o1) of the chunk's tokens, part by part.
   void expand(const Chunk& c, int64_t o0, int64_t o1, float* bt) const {
+    if constexpr (kInt8<W>)  // the scales of the outputs before prefetch_b_ahead's first
+      prefetch_span(p.B_scale + c.slot * p.N + o0, std::min(o1 - o0, kExpandAhead / p.R + 16) * 4);
     for (int64_t part = 0; part < p.P; ++part) {
       const int64_t lo = std::max(o0, p.starts[part]), hi = std::min(o1, p.starts[part + 1]);
       if (lo < hi) expand_part(c, part, lo, hi, bt);
@@ -452,7 +621,8 @@ struct Fast {
   }
 
   void expand_part(const Chunk& c, int64_t part, int64_t o0, int64_t o1, float* bt) const {
-    const T* bs = p.B + c.slot * p.N * p.R;
+    const W* bs = p.B + c.slot * p.N * p.R;
+    const float* bscale = kInt8<W> ? p.B_scale + c.slot * p.N : nullptr;
     const int64_t n = c.end - c.begin;
     const float* hp[4];
     T* yp[4];
@@ -465,10 +635,10 @@ struct Fast {
     if (n <= kFewTokens) {
       rows(c.begin, static_cast<int>(n));
       switch (n) {
-        case 4: expand_regs<4, T>(bs, p.R, o0, o1, hp, yp); break;
-        case 3: expand_regs<3, T>(bs, p.R, o0, o1, hp, yp); break;
-        case 2: expand_regs<2, T>(bs, p.R, o0, o1, hp, yp); break;
-        default: expand_regs<1, T>(bs, p.R, o0, o1, hp, yp); break;
+        case 4: expand_regs<4, T, W>(bs, bscale, p.R, o0, o1, hp, yp); break;
+        case 3: expand_regs<3, T, W>(bs, bscale, p.R, o0, o1, hp, yp); break;
+        case 2: expand_regs<2, T, W>(bs, bscale, p.R, o0, o1, hp, yp); break;
+        default: expand_regs<1, T, W>(bs, bscale, p.R, o0, o1, hp, yp); break;
       }
       return;
     }
@@ -481,10 +651,10 @@ struct Fast {
         const float* bo = bt + (o - o0);
         const int64_t live = std::min<int64_t>(kPanel, o1 - o);
         switch (mt) {
-          case 4: expand_panel<4, T>(bo, ld, p.R, hp, yp, o, live); break;
-          case 3: expand_panel<3, T>(bo, ld, p.R, hp, yp, o, live); break;
-          case 2: expand_panel<2, T>(bo, ld, p.R, hp, yp, o, live); break;
-          default: expand_panel<1, T>(bo, ld, p.R, hp, yp, o, live); break;
+          case 4: expand_panel<4, T, W>(bo, bscale, ld, p.R, hp, yp, o, live); break;
+          case 3: expand_panel<3, T, W>(bo, bscale, ld, p.R, hp, yp, o, live); break;
+          case 2: expand_panel<2, T, W>(bo, bscale, ld, p.R, hp, yp, o, live); break;
+          default: expand_panel<1, T, W>(bo, bscale, ld, p.R, hp, yp, o, live); break;
         }
       }
       pos += mt;
@@ -500,8 +670,8 @@ inline int64_t expand_width(int64_t tokens, int64_t R) {
   return std::max(kPanel, std::min(w / kPanel * kPanel, kMaxExpandOut));
 }
 
-template <typename T>
-void run_fast(const Problem<T>& p, const int32_t* slots, int64_t T_, int64_t S) {
+template <typename T, typename W>
+void run_fast(const Problem<T, W>& p, const int32_t* slots, int64_t T_, int64_t S) {
   // Tokens grouped by slot, in token order within a slot (counting sort).
   std::vector<int64_t> count(S + 1, 0);
   int64_t active = 0;
@@ -532,7 +702,7 @@ void run_fast(const Problem<T>& p, const int32_t* slots, int64_t T_, int64_t S) 
     for (int64_t o = 0; o < p.N; o += w) expands.push_back({c, o, std::min(o + w, p.N)});
   }
   std::unique_ptr<float[]> H(new float[active * p.PR]);
-  const Fast<T> f{p, order.data(), H.get()};
+  const Fast<T, W> f{p, order.data(), H.get()};
   const int64_t n_shrink = static_cast<int64_t>(shrinks.size());
   const int64_t n_items = n_shrink + static_cast<int64_t>(expands.size());
   // Scratch for a transposed B range, where a chunk has more than kFewTokens tokens.
@@ -544,8 +714,23 @@ void run_fast(const Problem<T>& p, const int32_t* slots, int64_t T_, int64_t S) 
   const int64_t threads = macs < kSerialMacs || at::in_parallel_region()
                               ? 1
                               : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  // The first kStartAhead bytes of a thread's first shrink item and of its first expand item: the
+  // expand's are read long after, by then the in-loop prefetches have not reached them.
+  auto prefetch_start = [&](int64_t shrink, int64_t expand) {
+    if (shrink < n_shrink) {
+      const ShrinkItem& it = shrinks[shrink];
+      prefetch_span(p.A + (chunks[it.chunk].slot * p.PR + it.row0) * p.K,
+                    std::min<int64_t>(kStartAhead, (it.row1 - it.row0) * p.K * sizeof(W)));
+    }
+    if (expand < n_items - n_shrink) {
+      const ExpandItem& it = expands[expand];
+      prefetch_span(p.B + (chunks[it.chunk].slot * p.N + it.o0) * p.R,
+                    std::min<int64_t>(kStartAhead, (it.o1 - it.o0) * p.R * sizeof(W)));
+    }
+  };
   if (threads == 1) {
     std::unique_ptr<float[]> bt(new float[bt_floats]);
+    prefetch_start(0, 0);
     for (const auto& it : shrinks) f.shrink(chunks[it.chunk], it.row0, it.row1);
     for (const auto& it : expands) f.expand(chunks[it.chunk], it.o0, it.o1, bt.get());
     return;
@@ -557,16 +742,67 @@ void run_fast(const Problem<T>& p, const int32_t* slots, int64_t T_, int64_t S) 
     std::atomic<int64_t> n{0};
   };
   std::unique_ptr<Counter[]> done(new Counter[chunks.size()]);
-  alignas(64) std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  // Each thread's share: a contiguous run of the shrink items and one of the expand items, of
+  // about equal cost (multiply-adds, plus kByteCost per byte of weights read), so that a thread
+  // sweeps one stretch of A, then one of B, in address order (what prefetching ahead needs: its
+  // next item lies right after its current one). A thread runs the shrink items of its share,
+  // then takes what is left of the others' shrink items, then does the same with expand items.
+  // An expand item waits for its chunk's shrink items, which cannot deadlock: a thread takes an
+  // expand item only once every shrink item has been taken, by a running thread.
+  constexpr double kByteCost = 8.0;
+  auto split = [&](int64_t n, auto cost, std::vector<int64_t>& bounds) {
+    std::vector<double> prefix(n + 1, 0.0);
+    for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost(i);
+    bounds.assign(threads + 1, n);
+    bounds[0] = 0;
+    for (int64_t t = 1, i = 0; t < threads; ++t) {
+      const double target = prefix[n] * static_cast<double>(t) / static_cast<double>(threads);
+      while (i < n && prefix[i + 1] <= target) ++i;
+      const int64_t b = i < n && prefix[i + 1] - target < target - prefix[i] ? i + 1 : i;
+      bounds[t] = std::max(b, bounds[t - 1]);
+    }
+  };
+  auto tokens = [&](int64_t chunk) { return static_cast<double>(chunks[chunk].end - chunks[chunk].begin); };
+  const double byte_cost = kByteCost * static_cast<double>(sizeof(W));
+  std::vector<int64_t> shrink_bounds, expand_bounds;
+  split(
+      n_shrink,
+      [&](int64_t i) {
+        const ShrinkItem& it = shrinks[i];
+        return static_cast<double>((it.row1 - it.row0) * p.K) * (tokens(it.chunk) + byte_cost);
+      },
+      shrink_bounds);
+  split(
+      n_items - n_shrink,
+      [&](int64_t i) {
+        const ExpandItem& it = expands[i];
+        return static_cast<double>((it.o1 - it.o0) * p.R) * (tokens(it.chunk) + byte_cost);
+      },
+      expand_bounds);
+  struct alignas(64) Share {
+    std::atomic<int64_t> next{0};  // the share's next item (shrink_bounds or expand_bounds)
+  };
+  std::unique_ptr<Share[]> shares(new Share[2 * threads]);  // shrink shares, then expand shares
+  for (int64_t t = 0; t < threads; ++t) {
+    shares[t].next.store(shrink_bounds[t], std::memory_order_relaxed);
+    shares[threads + t].next.store(expand_bounds[t], std::memory_order_relaxed);
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t) {
     std::unique_ptr<float[]> bt(new float[bt_floats]);
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
-      if (i < n_shrink) {
+    prefetch_start(shrink_bounds[first] < shrink_bounds[first + 1] ? shrink_bounds[first] : n_shrink,
+                   expand_bounds[first] < expand_bounds[first + 1] ? expand_bounds[first] : n_items - n_shrink);
+    for (int64_t u = 0; u < threads; ++u) {
+      const int64_t t = (first + u) % threads;
+      for (int64_t i; (i = shares[t].next.fetch_add(1, std::memory_order_relaxed)) < shrink_bounds[t + 1];) {
         const ShrinkItem& it = shrinks[i];
         f.shrink(chunks[it.chunk], it.row0, it.row1);
         done[it.chunk].n.fetch_add(1, std::memory_order_release);
-      } else {
-        const ExpandItem& it = expands[i - n_shrink];
+      }
+    }
+    for (int64_t u = 0; u < threads; ++u) {
+      const int64_t t = (first + u) % threads;
+      for (int64_t i; (i = shares[threads + t].next.fetch_add(1, std::memory_order_relaxed)) < expand_bounds[t + 1];) {
+        const ExpandItem& it = expands[i];
         // Spin briefly, then yield: the thread finishing that shrink may have lost its core.
         for (int spins = 0; done[it.chunk].n.load(std::memory_order_acquire) < need[it.chunk]; ++spins) {
           if (spins < kSpins) {
@@ -582,8 +818,8 @@ void run_fast(const Problem<T>& p, const int32_t* slots, int64_t T_, int64_t S) 
 }
 #endif
 
-template <typename T>
-void run(const Problem<T>& p, const int32_t* slots, int64_t T_, int64_t S, bool generic) {
+template <typename T, typename W>
+void run(const Problem<T, W>& p, const int32_t* slots, int64_t T_, int64_t S, bool generic) {
 #if defined(__AVX512F__)
   if (!generic) {
     run_fast(p, slots, T_, S);
@@ -594,19 +830,40 @@ void run(const Problem<T>& p, const int32_t* slots, int64_t T_, int64_t S, bool 
   run_portable(p, slots, T_);
 }
 
+// A dtype as Python spells it (torch.int8, not Char).
+std::string dtype_name(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat32: return "float32";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kFloat16: return "float16";
+    case torch::kFloat64: return "float64";
+    case torch::kInt8: return "int8";
+    case torch::kInt32: return "int32";
+    case torch::kInt64: return "int64";
+    default: return c10::toString(t);
+  }
+}
+
 }  // namespace
 
 void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tensor A, torch::Tensor B,
-              torch::Tensor part_starts, KernelPath path) {
+              torch::Tensor part_starts, std::optional<torch::Tensor> A_scale, std::optional<torch::Tensor> B_scale,
+              KernelPath path) {
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && slots.device().is_cpu() && A.device().is_cpu() &&
-                  B.device().is_cpu() && part_starts.device().is_cpu(),
+                  B.device().is_cpu() && part_starts.device().is_cpu() && (!A_scale || A_scale->device().is_cpu()) &&
+                  (!B_scale || B_scale->device().is_cpu()),
               "lora_add: all tensors must be on the CPU");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "lora_add: x must be float32 or bfloat16, got ",
-              dtype);
-  TORCH_CHECK(y.scalar_type() == dtype && A.scalar_type() == dtype && B.scalar_type() == dtype,
-              "lora_add: x, y, A and B must have the same dtype, got x ", dtype, ", y ", y.scalar_type(), ", A ",
-              A.scalar_type(), ", B ", B.scalar_type());
+              dtype_name(dtype));
+  const bool a_int8 = A.scalar_type() == torch::kInt8, b_int8 = B.scalar_type() == torch::kInt8;
+  TORCH_CHECK(a_int8 == b_int8, "lora_add: A and B must be both int8 or both x's dtype (", dtype_name(dtype),
+              "), got A ", dtype_name(A.scalar_type()), " and B ", dtype_name(B.scalar_type()));
+  const bool int8 = a_int8;
+  TORCH_CHECK(y.scalar_type() == dtype && (int8 || (A.scalar_type() == dtype && B.scalar_type() == dtype)),
+              "lora_add: x, y, A and B must have the same dtype (or A and B int8, with A_scale and B_scale), got x ",
+              dtype_name(dtype), ", y ", dtype_name(y.scalar_type()), ", A ", dtype_name(A.scalar_type()), ", B ",
+              dtype_name(B.scalar_type()));
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && A.dim() == 4 && B.dim() == 3 && slots.dim() == 1 &&
                   part_starts.dim() == 1,
               "lora_add: expected x [T, K], y [T, N], slots [T], A [S, P, R, K], B [S, N, R], part_starts [P + 1]");
@@ -617,10 +874,29 @@ void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tens
   TORCH_CHECK(B.size(0) == S && B.size(1) == N && B.size(2) == R, "lora_add: B must be [S, N, R] = [", S, ", ", N,
               ", ", R, "] (S and R from A, N from y), got ", B.sizes());
   TORCH_CHECK(A.is_contiguous() && B.is_contiguous(), "lora_add: A and B must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt32, "lora_add: slots must be int32, got ", slots.scalar_type());
+  // int8 A and B: their scales, float32 [S, P, R] and [S, N], contiguous; float A and B: none.
+  auto check_scale = [&](const std::optional<torch::Tensor>& scale, const char* name, const char* of,
+                         bool weights_int8, const torch::ScalarType weights_dtype, at::IntArrayRef shape,
+                         const char* shape_text) {
+    if (!weights_int8) {
+      TORCH_CHECK(!scale, "lora_add: ", name, " is only for int8 ", of, ", but ", of, " is ",
+                  dtype_name(weights_dtype));
+      return;
+    }
+    TORCH_CHECK(scale.has_value(), "lora_add: int8 ", of, " needs ", name, " (float32 ", shape_text, ")");
+    TORCH_CHECK(scale->scalar_type() == torch::kFloat32, "lora_add: ", name, " must be float32, got ",
+                dtype_name(scale->scalar_type()));
+    TORCH_CHECK(scale->sizes() == shape, "lora_add: ", name, " must be ", shape_text, " = ", shape, ", got ",
+                scale->sizes());
+    TORCH_CHECK(scale->is_contiguous(), "lora_add: ", name, " must be contiguous");
+  };
+  check_scale(A_scale, "A_scale", "A", a_int8, A.scalar_type(), {S, P, R}, "[S, P, R]");
+  check_scale(B_scale, "B_scale", "B", b_int8, B.scalar_type(), {S, N}, "[S, N]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt32, "lora_add: slots must be int32, got ",
+              dtype_name(slots.scalar_type()));
   TORCH_CHECK(slots.size(0) == T_, "lora_add: slots has ", slots.size(0), " entries for ", T_, " tokens");
   TORCH_CHECK(part_starts.scalar_type() == torch::kInt64, "lora_add: part_starts must be int64, got ",
-              part_starts.scalar_type());
+              dtype_name(part_starts.scalar_type()));
   TORCH_CHECK(part_starts.size(0) == P + 1, "lora_add: part_starts must have P + 1 = ", P + 1,
               " entries (P = A.size(1)), got ", part_starts.size(0));
   TORCH_CHECK(N <= 1 || y.stride(1) == 1, "lora_add: y's last dimension must be contiguous");
@@ -642,15 +918,34 @@ void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tens
 
   auto xc = (x.stride(1) == 1 && (T_ <= 1 || x.stride(0) >= K)) ? x : x.contiguous();
   const bool generic = is_portable(path);
-  auto go = [&](auto* tag) {
+  auto go = [&](auto* tag, auto* wtag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const Problem<T> p{xc.data_ptr<T>(), T_ <= 1 ? K : xc.stride(0), y.data_ptr<T>(), T_ <= 1 ? N : y.stride(0),
-                       A.data_ptr<T>(), B.data_ptr<T>(), starts, K, N, P, R, P * R};
+    using W = std::remove_pointer_t<decltype(wtag)>;
+    const Problem<T, W> p{xc.data_ptr<T>(),
+                          T_ <= 1 ? K : xc.stride(0),
+                          y.data_ptr<T>(),
+                          T_ <= 1 ? N : y.stride(0),
+                          A.data_ptr<W>(),
+                          B.data_ptr<W>(),
+                          int8 ? A_scale->data_ptr<float>() : nullptr,
+                          int8 ? B_scale->data_ptr<float>() : nullptr,
+                          starts,
+                          K,
+                          N,
+                          P,
+                          R,
+                          P * R};
     run(p, sl, T_, S, generic);
   };
   if (dtype == torch::kFloat32) {
-    go(static_cast<float*>(nullptr));
+    if (int8) {
+      go(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+    } else {
+      go(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+    }
+  } else if (int8) {
+    go(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
   } else {
-    go(static_cast<at::BFloat16*>(nullptr));
+    go(static_cast<at::BFloat16*>(nullptr), static_cast<at::BFloat16*>(nullptr));
   }
 }

@@ -33,12 +33,10 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.eval.corpus import fetch_corpus
+from tokenmill.finetune.lora import HF_NAMES
 from tokenmill.lora.adapter import projection_shape
 
 RESULTS = Path(__file__).parent / "results"
-HF_PROJECTIONS = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
-                  "attn.o": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
-                  "mlp.down": "mlp.down_proj"}
 
 
 def write_adapter(path: Path, cfg, rank: int, seed: int) -> None:
@@ -49,7 +47,7 @@ def write_adapter(path: Path, cfg, rank: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):
-        for projection, hf in HF_PROJECTIONS.items():
+        for projection, hf in HF_NAMES.items():
             out, inp = projection_shape(cfg, projection)
             prefix = f"base_model.model.model.layers.{layer}.{hf}"
             bound = (3 / inp) ** 0.5
@@ -59,7 +57,7 @@ def write_adapter(path: Path, cfg, rank: int, seed: int) -> None:
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(
-            h.rsplit(".", 1)[1] for h in HF_PROJECTIONS.values()), "lora_dropout": 0.0, "bias": "none"}))
+            h.rsplit(".", 1)[1] for h in HF_NAMES.values()), "lora_dropout": 0.0, "bias": "none"}))
 
 
 def make_llm(model: str, base: str, args, lora_dtype: str, tmp: Path) -> LLM:

@@ -216,7 +216,7 @@ class LLMEngine:
                               *self._spec_totals(), c.num_drafts if c else 0,
                               tuple(c.accepted_per_position) if c else (),
                               len({id(s.lora) for s in self.scheduler.running if s.lora is not None}),
-                              len(self.lora.list()) if self.lora else 0)
+                              self.lora.num_registered if self.lora else 0)
 
     def _spec_totals(self) -> tuple[int, int]:
         """(drafted, kept) tokens so far; (0, 0) without speculative decoding."""

@@ -120,6 +120,11 @@ class LoRAManager:
     def __contains__(self, name: str) -> bool:
         return name in self._paths
 
+    @property
+    def num_registered(self) -> int:
+        """Adapters registered by name (not ``__len__``: an empty manager must stay truthy)."""
+        return len(self._paths)
+
     def list(self) -> list[AdapterInfo]:
         out = []
         for name, (path, created) in self._paths.items():

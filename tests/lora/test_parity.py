@@ -140,3 +140,33 @@ def test_int8_slots_stay_close_to_exact(tmp_path):
     assert slots.modules["layers.0.attn.qkv"].A.dtype == torch.int8
     error = (lora_logits(ours, slots, [IDS], [0])[0] - exact).abs().max().item()
     assert 0 < error <= 0.02 * effect and effect > 0.1, (error, effect)
+
+
+@pytest.mark.real_model
+def test_adapter_over_smollm2_int4_gguf_matches_peft_on_the_dequantized_base(smollm2_gguf, tmp_path):
+    """SmolLM2-135M as shipped (GGUF Q4_1: int4 codes, groups of 32) run natively by tokenmill with
+    float32 activations, with a random rank-8 adapter on all seven projections, against HF
+    transformers + PEFT merged on the same GGUF dequantized by transformers."""
+    import transformers
+
+    from tokenmill.loading.sources import resolve_model
+    from tokenmill.quantization.gguf_native import load_gguf_native
+    from tokenmill.quantization.grouped import GroupedLinear
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+    peft_model = random_adapter(hf, tmp_path / "adapter", seed=7, b_gain=0.5)
+    ids = [1, 504, 3575, 282, 4649, 314, 216, 29, 30, 31, 1183, 2734, 28, 339, 5248]
+    expected = merged_logits(peft_model, ids)
+    base_expected = hf_logits(hf, ids)
+    del hf, peft_model
+    assert (expected - base_expected).abs().max() > 0.5  # the adapter changes the output
+
+    ours = load_gguf_native(resolve_model("smollm2-135m-instruct"), torch.float32, "cpu").model
+    assert isinstance(ours.layers[0].attn.qkv, GroupedLinear)
+    slots = LoRASlots(ours.config, 1, 8, torch.float32, "cpu")
+    slots.assign(0, load_adapter("a", tmp_path / "adapter", ours.config))
+    base_got, got = lora_logits(ours, slots, [ids, ids], [-1, 0])
+    base_error, error = (base_got - base_expected).abs().max().item(), (got - expected).abs().max().item()
+    print(f"\nSmolLM2 Q4_1: max |logit diff| vs HF base {base_error:.2e}, with adapter vs PEFT merged {error:.2e}")
+    assert error <= 1e-3, (error, base_error)

@@ -20,6 +20,7 @@ every kind of checkpoint while models/ and loading/ know nothing of quantization
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.device import resolve_device, resolve_dtype
+from tokenmill.errors import InvalidParameterError
 from tokenmill.loading.sources import ModelSource, resolve_model
 from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.models.builder import LoadedModel, load_float_model
@@ -46,13 +48,17 @@ def load_model(model: str | os.PathLike | ModelSource | None = None, dtype: str 
     ``dtype`` "auto": a GGUF file on CPU runs its quantized weights natively with bfloat16
     activations where tokenmill's CPU kernels have their fast path (else, logged, it is
     dequantized to float32); anything else is float32 on CPU, bfloat16 on CUDA. An explicit
-    dtype loads a GGUF file dequantized to it. ``cache_dir``: where named models, hub snapshots
+    dtype loads a GGUF file dequantized to it. A ``tokenmill quantize`` directory with "auto"
+    computes in the dtype it was quantized for (its config's ``torch_dtype``) where the device
+    runs it. ``cache_dir``: where named models, hub snapshots
     and GGUF tokenizers are cached (default ``~/.cache/tokenmill``)."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     source = model if isinstance(model, ModelSource) else resolve_model(model, cache)
     if source.format == "hf" and quantization_config_of(source.path) is not None:
+        if _is_auto(dtype):
+            resolved_dtype = _saved_compute_dtype(source.path, resolved_device) or resolved_dtype
         quantized, config = load_quantized(source.path, resolved_dtype, resolved_device)
         return LoadedModel(quantized, config, Tokenizer.from_hf_dir(source.path), source)
     if source.format == "gguf":
@@ -84,6 +90,15 @@ def load_draft(model: str | os.PathLike, dtype: str | torch.dtype, device: str |
             return load_model(source, target_dtype, device, cache_dir)
         model = source
     return load_model(model, dtype, device, cache_dir)
+
+
+def _saved_compute_dtype(path: Path, device: torch.device) -> torch.dtype | None:
+    """The compute dtype a quantized directory's config.json records, if ``device`` runs it."""
+    name = json.loads((path / "config.json").read_text()).get("torch_dtype")
+    try:
+        return resolve_dtype(name, device) if isinstance(name, str) else None
+    except InvalidParameterError:
+        return None
 
 
 def _unstructured_pruned(path: Path) -> bool:

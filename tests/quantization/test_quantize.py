@@ -85,6 +85,17 @@ def test_save_then_load_gives_identical_outputs(name, dtype, tmp_path):
     assert reloaded.tokenizer.stop_token_ids == loaded.tokenizer.stop_token_ids
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_auto_dtype_computes_in_the_dtype_it_was_quantized_for(dtype, tmp_path):
+    """``tokenmill serve DIR`` (dtype auto) on CPU runs a directory quantized for bfloat16 with
+    bfloat16 activations, as ``quantize`` made it, not in float32 (twice the bytes per token)."""
+    src = write_tiny_checkpoint(tmp_path / "src")
+    out = save_quantized(quantize(str(src), Int4WeightOnlyConfig(group_size=32), dtype=dtype, progress=False),
+                         tmp_path / "q")
+    assert load_model(out, "auto", "cpu").model.embed.weight.dtype == dtype
+    assert load_model(out, torch.float32, "cpu").model.embed.weight.dtype == torch.float32  # explicit wins
+
+
 def test_a_loaded_quantized_model_saves_again(tmp_path):
     src = write_tiny_checkpoint(tmp_path / "src")
     save_quantized(quantize(str(src), Int4WeightOnlyConfig(group_size=32), dtype="float32", progress=False),

@@ -55,8 +55,9 @@ class LoadConfig(Config):
         "(default: smollm2-135m-instruct)", short="-m")
     dtype: str = option(
         "auto", "compute dtype: auto (a GGUF file on CPU: its quantized weights as stored, bfloat16 "
-        "activations; else float32 on CPU and bfloat16 on CUDA; for quantize, bfloat16), float32, bfloat16 or "
-        "float16 (CUDA); an explicit dtype loads a GGUF file dequantized to it")
+        "activations; a tokenmill-quantized directory: the dtype it was quantized for; else float32 on CPU and "
+        "bfloat16 on CUDA; for quantize, bfloat16), float32, bfloat16 or float16 (CUDA); an explicit dtype loads a "
+        "GGUF file dequantized to it")
     device: str = option("auto", "auto, cpu or cuda")
     cache_dir: str | None = option(
         None, "where fetched models and tokenizers are kept (default: $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill)")
@@ -74,6 +75,40 @@ class RopeScaling:
     """Wavelengths shorter than original_max / high_freq_factor are kept."""
     original_max_position_embeddings: int = 8192
     """Context length the model was pre-trained at."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Mixture-of-experts MLPs: a router picks ``top_k`` of ``num_experts`` gated MLPs per token
+    (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; tokenmill.models.moe runs them)."""
+
+    num_experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Experts each token runs through."""
+    expert_intermediate_size: int
+    """Inner width of one routed expert's MLP."""
+    norm_topk_prob: bool = True
+    """Renormalise the chosen experts' weights to sum to 1 (Mixtral always; Qwen/OLMoE by config)."""
+    scoring: str = "softmax"
+    """Router scores: 'softmax' over all experts, or 'sigmoid' per expert."""
+    shared_expert_intermediate_size: int = 0
+    """Inner width of an expert every token runs through (Qwen2-MoE); 0 for none."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(gate(x)) (Qwen2-MoE)."""
+    layers: tuple[int, ...] | None = None
+    """Which layers are MoE (the others have a dense MLP of intermediate_size); None: all."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise InvalidParameterError(f"MoE top_k must be in 1..num_experts ({self.num_experts}), got {self.top_k}")
+        if self.expert_intermediate_size <= 0:
+            raise InvalidParameterError(f"MoE expert_intermediate_size must be positive, got "
+                                        f"{self.expert_intermediate_size}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise InvalidParameterError(f"MoE scoring must be softmax or sigmoid, got {self.scoring!r}")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise InvalidParameterError("MoE shared_expert_gate needs a shared expert")
 
 
 @dataclass(frozen=True)
@@ -120,6 +155,12 @@ class ModelConfig:
     """MLP gate activation: 'silu' or 'gelu_tanh'."""
     query_pre_attn_scalar: float | None = None
     """Attention scores are scaled by this**-0.5 (Gemma 3); None means head_dim."""
+    qk_norm_per_head: bool = True
+    """QK-norm over each head (Qwen3, Gemma 3), or over the whole q and k projections (OLMoE)."""
+    clip_qkv: float | None = None
+    """q, k and v clamped to [-clip_qkv, clip_qkv] after projection (and QK-norm) (OLMoE)."""
+    moe: MoESpec | None = None
+    """Mixture-of-experts MLPs, if any."""
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
@@ -141,8 +182,15 @@ class ModelConfig:
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise InvalidParameterError(f"unsupported hidden_act {self.hidden_act!r}")
 
+        if self.moe is not None and self.moe.layers is not None and not set(self.moe.layers) <= set(
+                range(self.num_layers)):
+            raise InvalidParameterError(f"MoE layers {self.moe.layers} outside 0..{self.num_layers - 1}")
+
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full"
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and (self.moe.layers is None or i in self.moe.layers)
 
 
 def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int | None]]:

@@ -136,3 +136,36 @@ def gemma3_alone(tiny_gemma3):
 @pytest.mark.parametrize("name", sorted(GEMMA_CONFIGS))
 def test_tiny_gemma3_batch_invariance(name, tiny_gemma3, gemma3_alone):
     run_together(tiny_gemma3, prompts(), gemma3_alone, name, GEMMA_CONFIGS[name])
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory):
+    """A tiny Mixtral (6 experts, top-2): in exact no-drop routing, a token's experts and their
+    weights depend on that token alone."""
+    from tests.models.moe_helpers import tiny_moe_model
+
+    path = tmp_path_factory.mktemp("tiny-mixtral")
+    model = tiny_moe_model("mixtral", path)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(10)  # peaked logits: greedy choices are not coin flips
+    model.save_pretrained(path)
+    return str(path)
+
+
+MIXTRAL_BLOCK_BYTES = 3 * 16 * 2 * 2 * 16 * 4  # 3 layers x 16 tokens x (k + v) x 2 heads x 16 dims x float32
+MIXTRAL_CONFIGS = {
+    "prefix caching on": {},
+    "prefix caching off": {"enable_prefix_caching": False},
+    "chunks of 29": {"max_num_batched_tokens": 29},
+    "preemptions": {"kv_cache_memory": 48 * MIXTRAL_BLOCK_BYTES},
+}
+
+
+@pytest.fixture(scope="module")
+def mixtral_alone(tiny_mixtral):
+    return run_alone(tiny_mixtral, prompts())
+
+
+@pytest.mark.parametrize("name", sorted(MIXTRAL_CONFIGS))
+def test_tiny_mixtral_batch_invariance(name, tiny_mixtral, mixtral_alone):
+    run_together(tiny_mixtral, prompts(), mixtral_alone, name, MIXTRAL_CONFIGS[name])

@@ -149,6 +149,10 @@ class EngineConfig(Config):
     keep_large_buffers: bool = option(
         True, "on CPU, keep freed buffers up to 512 MiB (logits, activations) for the next step instead of "
               "returning them to the OS each time (glibc mallopt; see tokenmill/allocator.py)")
+    moe_capacity_factor: float | None = option(
+        None, "MoE models: each expert takes at most ceil(factor * tokens * top_k / experts) of a step's "
+              "assignments, the rest dropped (counted; the token's residual carries it). Default: exact no-drop "
+              "routing, as HF transformers computes")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -157,6 +161,8 @@ class EngineConfig(Config):
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidParameterError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise InvalidParameterError(f"moe_capacity_factor must be > 0, got {self.moe_capacity_factor}")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

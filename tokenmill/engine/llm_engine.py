@@ -40,6 +40,7 @@ from tokenmill.loading.detokenizer import IncrementalDetokenizer
 from tokenmill.lora.adapter import LoRAAdapter
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.models.builder import LoadedModel
+from tokenmill.models.moe_stats import MoEStepStats
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.engine")
@@ -61,6 +62,12 @@ class LLMEngine:
         """The LoRA adapters (``enable_lora``), else None."""
         self.scheduler = Scheduler(config.scheduler, self.kv, config.lora.max_loras if self.lora else 0)
         self.runner = ModelRunner(loaded.model, cache, device, self.lora.slots if self.lora else None)
+        if config.moe_capacity_factor is not None and loaded.config.moe is None:
+            raise InvalidParameterError("moe_capacity_factor is for mixture-of-experts models; this one has no experts")
+        loaded.model.set_moe_capacity(config.moe_capacity_factor)
+        self._expert_stats = loaded.model.expert_stats
+        self.moe_totals: MoEStepStats | None = None
+        """An MoE model's routing since start (tokenmill.models.moe_stats), None before the first routed step."""
         self.sampler = Sampler(loaded.config.vocab_size, seed=config.seed)
         self.drafter = build_drafter(config.speculative, loaded, draft, self.sampler,
                                      self.kv_capacity_tokens + config.scheduler.max_num_seqs
@@ -216,7 +223,14 @@ class LLMEngine:
                               *self._spec_totals(), c.num_drafts if c else 0,
                               tuple(c.accepted_per_position) if c else (),
                               len({id(s.lora) for s in self.scheduler.running if s.lora is not None}),
-                              self.lora.num_registered if self.lora else 0)
+                              self.lora.num_registered if self.lora else 0, self.moe_totals)
+
+    def _drain_moe(self) -> MoEStepStats | None:
+        """The step's MoE routing (None for a dense model, or a step that routed nothing), added to the totals."""
+        step = self._expert_stats.drain() if self._expert_stats is not None else None
+        if step is not None:
+            self.moe_totals = step if self.moe_totals is None else self.moe_totals.plus(step)
+        return step
 
     def _spec_totals(self) -> tuple[int, int]:
         """(drafted, kept) tokens so far; (0, 0) without speculative decoding."""
@@ -254,7 +268,7 @@ class LLMEngine:
             len(running), self.scheduler.num_waiting, len(plan.scheduled), plan.num_batched_tokens,
             num_sampled, self.num_used_blocks,
             sum(s.num_computed_tokens for s in running), self.kv.usage, plan.prefix_hit_tokens,
-            len(plan.preempted), time.perf_counter() - start, drafted, kept))
+            len(plan.preempted), time.perf_counter() - start, drafted, kept, self._drain_moe()))
         return [self._delta(request) for request in changed.values()]
 
     def _run(self, scheduled: list[ScheduledSequence], changed: dict[str, Request]) -> None:

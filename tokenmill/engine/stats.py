@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.models.moe_stats import MoEStepStats
+
 
 @dataclass
 class StepStats:
@@ -27,6 +29,8 @@ class StepStats:
     """Drafted tokens verified in the step (speculative decoding)."""
     num_accepted_tokens: int = 0
     """Of those, the ones kept."""
+    moe: MoEStepStats | None = None
+    """An MoE model's routing in the step: tokens per expert, dropped, router entropy."""
 
 
 @dataclass(frozen=True)
@@ -59,3 +63,5 @@ class EngineSnapshot:
     """Distinct LoRA adapters among the running sequences."""
     num_loaded_adapters: int = 0
     """LoRA adapters registered by name."""
+    moe: MoEStepStats | None = None
+    """An MoE model's routing so far (tokens per layer and expert, dropped, entropy); None for a dense model."""

@@ -41,7 +41,15 @@ from tokenmill.loading.gguf_groups import CODE_BITS, GROUP_SIZES, GroupedWeight
 from tokenmill.loading.hf_config import hf_model_config, quantization_config_of
 from tokenmill.loading.sources import ModelSource
 from tokenmill.loading.tokenizer import Tokenizer
-from tokenmill.loading.weights import FUSED_INTO, FUSED_PARTS, gguf_name, hf_name, map_tensors, unpermute_rope_rows
+from tokenmill.loading.weights import (
+    FUSED_INTO,
+    FUSED_PARTS,
+    gguf_name,
+    hf_name,
+    map_tensors,
+    split_stacked_experts,
+    unpermute_rope_rows,
+)
 
 logger = logging.getLogger("tokenmill.loading")
 GROUPED_FIELDS = ("codes", "scale", "min")
@@ -234,7 +242,7 @@ def open_hf(path: Path) -> Checkpoint:
             except Exception as exc:  # safetensors raises its own error types for corrupt files
                 raise ModelFormatError(f"cannot read {file}: {exc}") from None
 
-    named = map_tensors(tensors(), lambda n: hf_name(n, family), transform)
+    named = map_tensors(split_stacked_experts(tensors()), lambda n: hf_name(n, family), transform)
     if config.tie_word_embeddings:
         named = (item for item in named if item[0] != "lm_head.weight")
     return Checkpoint(config, named)

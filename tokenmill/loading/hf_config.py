@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenmill.config import ModelConfig, RopeScaling
+from tokenmill.config import ModelConfig, MoESpec, RopeScaling
 from tokenmill.errors import ModelFormatError, UnsupportedModelError
 
 HF_MODEL_TYPES: dict[str, dict[str, Any]] = {
@@ -15,6 +15,10 @@ HF_MODEL_TYPES: dict[str, dict[str, Any]] = {
     "qwen2": {"family": "llama", "attention_bias": True},
     "qwen3": {"family": "llama", "qk_norm": True},
     "gemma3_text": {"family": "gemma3", "qk_norm": True},
+    "mixtral": {"family": "llama", "sliding": True, "moe": "mixtral"},
+    "qwen2_moe": {"family": "llama", "attention_bias": True, "moe": "qwen"},
+    "qwen3_moe": {"family": "llama", "qk_norm": True, "moe": "qwen"},
+    "olmoe": {"family": "llama", "qk_norm": True, "qk_norm_per_head": False, "moe": "olmoe"},
 }
 
 
@@ -64,7 +68,8 @@ def hf_model_config(cfg: dict[str, Any]) -> ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=cfg.get("tie_word_embeddings", spec["family"] == "gemma3"),
             attention_bias=cfg.get("attention_bias", spec.get("attention_bias", False)),
-            qk_norm=spec.get("qk_norm", False),
+            qk_norm=spec.get("qk_norm", False), qk_norm_per_head=spec.get("qk_norm_per_head", True),
+            clip_qkv=cfg.get("clip_qkv"),
             bos_token_id=_first(cfg.get("bos_token_id")), eos_token_id=_first(cfg.get("eos_token_id")),
         )
     except KeyError as exc:
@@ -73,6 +78,8 @@ def hf_model_config(cfg: dict[str, Any]) -> ModelConfig:
     fields["hidden_act"] = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
     if fields["hidden_act"] is None:
         raise UnsupportedModelError(f"unsupported activation {act!r}")
+    if "moe" in spec:
+        fields["moe"] = _moe_spec(cfg, spec["moe"], fields["num_layers"])
     if spec["family"] == "gemma3":
         _gemma3_fields(cfg, fields)
     else:
@@ -82,6 +89,31 @@ def hf_model_config(cfg: dict[str, Any]) -> ModelConfig:
         if window:
             fields.update(sliding_window=window, layer_types=("sliding",) * fields["num_layers"])
     return ModelConfig(**fields)
+
+
+def _moe_spec(cfg: dict[str, Any], kind: str, num_layers: int) -> MoESpec:
+    """The MoE part of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE config.json (transformers' defaults
+    where a key is absent)."""
+    try:
+        experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]  # either name
+        if kind == "mixtral":
+            return MoESpec(num_experts=experts, top_k=cfg.get("num_experts_per_tok", 2),
+                           expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+        if kind == "olmoe":
+            return MoESpec(num_experts=experts, top_k=cfg.get("num_experts_per_tok", 8),
+                           expert_intermediate_size=cfg["intermediate_size"],
+                           norm_topk_prob=cfg.get("norm_topk_prob", False))
+        step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        qwen2 = cfg.get("model_type") == "qwen2_moe"
+        shared = cfg.get("shared_expert_intermediate_size", 5632) if qwen2 else 0
+        return MoESpec(num_experts=experts, top_k=cfg.get("num_experts_per_tok", 4 if qwen2 else 8),
+                       expert_intermediate_size=cfg["moe_intermediate_size"],
+                       norm_topk_prob=cfg.get("norm_topk_prob", False),
+                       shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared),
+                       layers=None if len(layers) == num_layers else layers)
+    except KeyError as exc:
+        raise ModelFormatError(f"config.json of a {cfg.get('model_type')} model lacks {exc.args[0]!r}") from None
 
 
 def _gemma3_fields(cfg: dict[str, Any], fields: dict[str, Any]) -> None:

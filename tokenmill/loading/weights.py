@@ -30,10 +30,22 @@ HF_LAYER_NAMES: dict[str, str] = {
 HF_LAYER_NAMES_LLAMA = {**HF_LAYER_NAMES, "post_attention_layernorm": "ffn_norm"}
 HF_LAYER_NAMES_GEMMA3 = {**HF_LAYER_NAMES, "post_attention_layernorm": "post_attn_norm",
                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffn_norm"}
+HF_MOE_NAMES: dict[str, str] = {
+    "block_sparse_moe.gate": "mlp.router", "mlp.gate": "mlp.router", "mlp.shared_expert_gate": "mlp.shared_gate",
+    "mlp.shared_expert.gate_proj": "mlp.shared.gate", "mlp.shared_expert.up_proj": "mlp.shared.up",
+    "mlp.shared_expert.down_proj": "mlp.shared.down",
+}
+"""Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE: the router, and Qwen2-MoE's shared expert and its gate."""
+HF_EXPERT_PARTS: dict[str, str] = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+                                   "down_proj": "down", "gate_up_proj": "gate_up"}
+"""One routed expert's projections: Mixtral's w1/w3/w2, the others' gate/up/down_proj; gate_up_proj
+is one expert's slice of transformers' fused 3-D layout (see :func:`split_stacked_experts`)."""
 HF_TOP: dict[str, str] = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
 
 _GGUF_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_RE = re.compile(r"^model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)$")
+_HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_HF_STACKED_RE = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def gguf_name(name: str) -> str | None:
@@ -48,12 +60,31 @@ def gguf_name(name: str) -> str | None:
 def hf_name(name: str, family: str) -> str | None:
     """Canonical name of an HF checkpoint tensor, or None when tokenmill does not use it."""
     name = name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
-    table = HF_LAYER_NAMES_GEMMA3 if family == "gemma3" else HF_LAYER_NAMES_LLAMA
+    table = HF_LAYER_NAMES_GEMMA3 if family == "gemma3" else {**HF_LAYER_NAMES_LLAMA, **HF_MOE_NAMES}
+    if m := _HF_EXPERT_RE.match(name):
+        layer, expert, part = m.groups()
+        return f"layers.{layer}.mlp.experts.{expert}.{HF_EXPERT_PARTS[part]}.weight" if part in HF_EXPERT_PARTS else None
     if m := _HF_RE.match(name):
         layer, part, kind = m.groups()
         return f"layers.{layer}.{table[part]}.{kind}" if part in table else None
     stem, _, kind = name.rpartition(".")
     return f"{HF_TOP[stem]}.{kind}" if stem in HF_TOP else None
+
+
+def split_stacked_experts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' fused 3-D expert tensors (``...experts.gate_up_proj`` [experts, 2 * inner,
+    hidden], ``...experts.down_proj`` [experts, hidden, inner]) -> one weight per expert, named as
+    the per-expert layout names them (``...experts.3.gate_up_proj.weight``); other tensors pass."""
+    for name, tensor in tensors:
+        m = _HF_STACKED_RE.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        if tensor.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D [experts, out, in] tensor, got shape {tuple(tensor.shape)}")
+        prefix, part = m.groups()
+        for expert in range(tensor.shape[0]):
+            yield f"{prefix}.{expert}.{part}.weight", tensor[expert]
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -69,20 +100,28 @@ FUSED_PARTS = {"attn.qkv": 3, "mlp.gate_up": 2}
 """Fused module -> how many projections it joins."""
 
 
+_FUSABLE = re.compile(r"^(layers\.\d+)\.(attn\.[qkv]|mlp\.gate|mlp\.up)\.(weight|bias)$")
+_FUSABLE_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.(?:experts\.\d+|shared))\.(gate|up)\.(weight)$")
+
+
 def fuse(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Join q/k/v into ``attn.qkv`` and gate/up into ``mlp.gate_up``; pass other tensors through."""
+    """Join q/k/v into ``attn.qkv`` and gate/up into ``mlp.gate_up`` (an MoE expert's or shared
+    expert's gate/up into its ``gate_up``); pass other tensors through."""
     pending: dict[str, dict[int, torch.Tensor]] = {}
-    pattern = re.compile(r"^(layers\.\d+)\.(attn\.[qkv]|mlp\.gate|mlp\.up)\.(weight|bias)$")
     for name, tensor in tensors:
-        m = pattern.match(name)
-        if not m:
+        if m := _FUSABLE.match(name):
+            prefix, part, kind = m.groups()
+            fused, index = FUSED_INTO[part]
+            need = FUSED_PARTS[fused]
+        elif m := _FUSABLE_EXPERT.match(name):  # layers.0.mlp.experts.3.gate.weight -> ...experts.3.gate_up.weight
+            prefix, part, kind = m.groups()
+            fused, index, need = "gate_up", ("gate", "up").index(part), 2
+        else:
             yield name, tensor
             continue
-        prefix, part, kind = m.groups()
-        fused, index = FUSED_INTO[part]
         key = f"{prefix}.{fused}.{kind}"
         pending.setdefault(key, {})[index] = tensor
-        if len(pending[key]) == FUSED_PARTS[fused]:
+        if len(pending[key]) == need:
             parts = pending.pop(key)
             yield key, torch.cat([parts[i] for i in range(len(parts))], dim=0)
     if pending:

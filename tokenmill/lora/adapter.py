@@ -99,6 +99,10 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig) -> LoRAAdapter:
 
 def _check_shapes(name: str, key: str, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig) -> None:
     layer, projection = int(key.split(".")[1]), key.split(".", 2)[2]
+    if projection.startswith("mlp.") and cfg.is_moe_layer(layer):
+        raise InvalidParameterError(
+            f"LoRA adapter {name!r}: {key} targets the MLP of an MoE layer; tokenmill serves adapters on the "
+            "attention projections of MoE models (and on every projection of dense ones)", param="lora_path")
     out, inp = projection_shape(cfg, projection)
     r = a.shape[0]
     if layer >= cfg.num_layers:

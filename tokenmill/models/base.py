@@ -18,6 +18,8 @@ from tokenmill.attention.metadata import PagedAttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.lora.slots import LoRABatch
 from tokenmill.models.layers import RMSNorm, Rotary, has_hooks, linear, packed_bf16_linear
+from tokenmill.models.moe import SparseMoE
+from tokenmill.models.moe_stats import ExpertStats
 
 
 class CausalLM(nn.Module):
@@ -39,11 +41,23 @@ class CausalLM(nn.Module):
         self.rotary_global = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
         self.rotary_local = Rotary(cfg.head_dim, local_theta, None if cfg.rope_local_theta else cfg.rope_scaling)
+        self.expert_stats = None
+        if cfg.moe is not None:
+            self.expert_stats = ExpertStats(cfg.num_layers, cfg.moe.num_experts)
+            for block in self.layers:
+                if isinstance(block.mlp, SparseMoE):
+                    block.mlp.stats = self.expert_stats
         # KV cache -> its FusedDecoder (or None: not available); weak, so a dropped cache frees its pool
         self._fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def make_block(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> nn.Module:
         raise NotImplementedError
+
+    def set_moe_capacity(self, capacity_factor: float | None) -> None:
+        """Capacity-factor routing in every MoE layer (tokenmill.models.moe); None: exact no-drop."""
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.capacity_factor = capacity_factor
 
     def keeps_stored_dtype(self, param_name: str) -> bool:
         """Tensors assigned in the dtype the checkpoint has (none here; a natively loaded GGUF

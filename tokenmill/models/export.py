@@ -127,7 +127,9 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         out["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                                    "high_freq_factor": s.high_freq_factor,
                                    "original_max_position_embeddings": s.original_max_position_embeddings}
-    if cfg.architecture == "gemma3":
+    if cfg.moe is not None:
+        _moe_fields(cfg, out)
+    elif cfg.architecture == "gemma3":
         out.update(model_type="gemma3_text", hidden_activation=out.pop("hidden_act"),
                    rope_local_base_freq=cfg.rope_local_theta, sliding_window=cfg.sliding_window,
                    query_pre_attn_scalar=cfg.query_pre_attn_scalar,
@@ -141,6 +143,31 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     if hf_model_config(out) != cfg:
         raise ModelFormatError(f"cannot express this model's configuration as an HF config.json: {cfg}")
     return out
+
+
+def _moe_fields(cfg: ModelConfig, out: dict[str, Any]) -> None:
+    """The MoE model types: Mixtral where it fits (every layer MoE, renormalised top-k, experts of the
+    dense MLP's width, no shared expert, no QK-norm), else OLMoE / Qwen3-MoE / Qwen2-MoE."""
+    moe = cfg.moe
+    if cfg.clip_qkv is not None:
+        out["clip_qkv"] = cfg.clip_qkv
+    mixtral = (moe.layers is None and moe.norm_topk_prob and not moe.shared_expert_intermediate_size
+               and not cfg.qk_norm and not cfg.attention_bias and moe.expert_intermediate_size == cfg.intermediate_size
+               and moe.scoring == "softmax")
+    if mixtral:
+        out.update(model_type="mixtral", num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                   sliding_window=cfg.sliding_window)
+        return
+    out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, norm_topk_prob=moe.norm_topk_prob)
+    if cfg.qk_norm and not cfg.qk_norm_per_head:
+        out["model_type"] = "olmoe"
+        out["intermediate_size"] = moe.expert_intermediate_size
+        return
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    out.update(model_type="qwen3_moe" if cfg.qk_norm else "qwen2_moe", moe_intermediate_size=moe.expert_intermediate_size,
+               mlp_only_layers=dense, decoder_sparse_step=1)
+    if not cfg.qk_norm:
+        out["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
 
 
 def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:

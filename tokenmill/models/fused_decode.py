@@ -85,7 +85,8 @@ class FusedDecoder:
         if ops is None or not isinstance(kv_cache, PagedKVCache):
             return None
         cfg = model.config
-        if not ops.supports_head_dim(cfg.head_dim):
+        if not ops.supports_head_dim(cfg.head_dim) or cfg.moe is not None or cfg.clip_qkv is not None or (
+                cfg.qk_norm and not cfg.qk_norm_per_head):
             return None
         stack = ops.DecodeStack(eps=cfg.rms_norm_eps, cast_before_scale=model.norm_cast_before_scale)
         plan_keys: list[tuple[int, int | None]] = []

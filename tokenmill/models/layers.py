@@ -174,8 +174,12 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_cast_before_scale) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_cast_before_scale) if cfg.qk_norm else None
+        q_width, k_width = (self.head_dim, self.head_dim) if cfg.qk_norm_per_head else (q_size, kv_size)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, norm_cast_before_scale) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, norm_cast_before_scale) if cfg.qk_norm else None
+        # OLMoE: QK-norm over the whole q and k projections, and q/k/v clamped, before RoPE
+        self.whole_qk_norm = cfg.qk_norm and not cfg.qk_norm_per_head
+        self.clip_qkv = cfg.clip_qkv
         self.norm_cast_before_scale = norm_cast_before_scale
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.sliding_window = cfg.sliding_window if cfg.layer_type(layer_index) == "sliding" else None
@@ -186,6 +190,8 @@ class Attention(nn.Module):
         qkv = linear(self.qkv, x)
         if lora is not None:
             qkv = lora.apply("attn.qkv", x, qkv)
+        if self.whole_qk_norm or self.clip_qkv is not None:
+            return self._output(self._attend_unfused(qkv, rope, cache, meta), lora)
         ops = dispatch.for_inference(qkv, *(n.weight for n in (self.q_norm, self.k_norm) if n is not None))
         if ops is not None and qkv.dim() == 2:
             q, k, v = ops.qkv_rope(qkv, self.n_heads, self.n_kv_heads, self.head_dim, *rope,
@@ -194,15 +200,23 @@ class Attention(nn.Module):
                                    self.q_norm.eps if self.q_norm is not None else 0.0, self.norm_cast_before_scale)
             out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
             return self._output(out, lora)
+        return self._output(self._attend_unfused(qkv, rope, cache, meta), lora)
+
+    def _attend_unfused(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: PagedLayer,
+                        meta: PagedAttentionMetadata) -> torch.Tensor:
+        """Split, QK-norm (per head, or over whole projections), clamp, RoPE, attend: the PyTorch path."""
         q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(-1, self.n_heads, self.head_dim)
-        k = k.view(-1, self.n_kv_heads, self.head_dim)
-        v = v.view(-1, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.whole_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(-1, self.n_heads, self.head_dim)
+        k = k.reshape(-1, self.n_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.whole_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
-        return self._output(out, lora)
+        return self.backend.forward(q, k, v, cache, meta, self.scale, self.sliding_window)
 
     def _output(self, attended: torch.Tensor, lora: LayerLoRA | None) -> torch.Tensor:
         """The o projection of the heads' outputs [T, heads, head_dim] (and its adapters' update)."""

@@ -1,6 +1,8 @@
-"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (QK-norm).
+"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (QK-norm), and the
+mixture-of-experts models built the same way: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
 
-Block: x += attn(attn_norm(x)); x += mlp(ffn_norm(x)).
+Block: x += attn(attn_norm(x)); x += mlp(ffn_norm(x)), the MLP a gated MLP or (MoE layers) a
+SparseMoE (tokenmill.models.moe).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.lora.slots import LayerLoRA
 from tokenmill.models.base import CausalLM
 from tokenmill.models.layers import Attention, GatedMLP, RMSNorm
+from tokenmill.models.moe import SparseMoE
 
 
 class LlamaBlock(nn.Module):
@@ -23,7 +26,8 @@ class LlamaBlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, index, backend)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act, index) if cfg.is_moe_layer(index) \
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: PagedLayer, meta: PagedAttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:

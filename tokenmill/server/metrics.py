@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenmill.engine import EngineSnapshot
+from tokenmill.models.moe_stats import MoEStepStats
 from tokenmill.server.tenancy import Tenancy
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -94,6 +95,14 @@ class ServerMetrics:
                                   "Distinct LoRA adapters among the running sequences", **labels)
         self.lora_loaded = Gauge("tokenmill:lora_loaded_adapters", "LoRA adapters registered (loaded by name)",
                                  **labels)
+        self.moe_tokens = Counter("tokenmill:moe_expert_tokens",
+                                  "MoE routing: assignments per layer and expert (a token counts once per chosen expert)",
+                                  ["model_name", "layer", "expert"], registry=registry)
+        self.moe_dropped = Counter("tokenmill:moe_dropped_tokens",
+                                   "MoE assignments dropped by the capacity factor (0 in no-drop mode)", **labels)
+        self.moe_entropy = Gauge("tokenmill:moe_router_entropy",
+                                 "Mean entropy (nats) of the routers' distributions over experts, since start",
+                                 **labels)
         self.queue_time = Histogram("tokenmill:request_queue_time_seconds", "Arrival to first scheduled",
                                     buckets=LATENCY_BUCKETS, **labels)
         registry.register(_TenantUsage(tenancy))
@@ -122,7 +131,20 @@ class ServerMetrics:
                 self.spec_per_pos.labels(m, str(j)).inc(kept - (previous[j] if j < len(previous) else 0))
             self.spec_rate.labels(m).set(snap.spec_accepted_tokens / max(snap.spec_draft_tokens, 1))
             self.spec_length.labels(m).set(1 + snap.spec_accepted_tokens / snap.spec_drafts)
+        if snap.moe is not None:
+            self._observe_moe(snap.moe, last.moe)
         self._last = snap
+
+    def _observe_moe(self, now: MoEStepStats, before: MoEStepStats | None) -> None:
+        m = self.model_name
+        for layer, row in enumerate(now.tokens_per_expert):
+            if not any(row):
+                continue  # a dense layer
+            for expert, count in enumerate(row):
+                self.moe_tokens.labels(m, str(layer), str(expert)).inc(
+                    count - (before.tokens_per_expert[layer][expert] if before else 0))
+        self.moe_dropped.labels(m).inc(now.dropped - (before.dropped if before else 0))
+        self.moe_entropy.labels(m).set(now.mean_entropy)
 
     def set_queued(self, queued_in_server: int, engine_waiting: int) -> None:
         self.queued_in_server = queued_in_server

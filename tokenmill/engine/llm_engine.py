@@ -65,6 +65,7 @@ class LLMEngine:
         if config.moe_capacity_factor is not None and loaded.config.moe is None:
             raise InvalidParameterError("moe_capacity_factor is for mixture-of-experts models; this one has no experts")
         loaded.model.set_moe_capacity(config.moe_capacity_factor)
+        loaded.model.prepare_moe()
         self._expert_stats = loaded.model.expert_stats
         self.moe_totals: MoEStepStats | None = None
         """An MoE model's routing since start (tokenmill.models.moe_stats), None before the first routed step."""

@@ -53,6 +53,12 @@ class CausalLM(nn.Module):
     def make_block(self, cfg: ModelConfig, index: int, backend: AttentionBackend) -> nn.Module:
         raise NotImplementedError
 
+    def prepare_moe(self) -> None:
+        """Ready every MoE expert's weights for its kernel (tokenmill.models.moe.SparseMoE.prepare)."""
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.prepare()
+
     def set_moe_capacity(self, capacity_factor: float | None) -> None:
         """Capacity-factor routing in every MoE layer (tokenmill.models.moe); None: exact no-drop."""
         for module in self.modules():
@@ -66,7 +72,9 @@ class CausalLM(nn.Module):
 
     def keeps_float32(self, param_name: str) -> bool:
         """Parameters held in float32 whatever the model dtype (Gemma's 1 + w norm multipliers,
-        which bfloat16 would round differently from HF's float32 ``1 + w``)."""
+        which bfloat16 would round differently from HF's float32 ``1 + w``; MoE routers and gates)."""
+        if param_name.endswith((".router.weight", ".shared_gate.weight")):
+            return True  # MoE gates: tiny, and float32 logits pick experts as the float model does
         return not self.norm_cast_before_scale and param_name.endswith("norm.weight")
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,15 @@ def linear(module: nn.Module, x: torch.Tensor, out_float32: bool = False) -> tor
     return module(x)
 
 
+def prepack(module: nn.Module) -> None:
+    """Pack a dense bfloat16 ``nn.Linear``'s weight for ``packed_bf16_linear`` now rather than on
+    its first call (no-op where that kernel does not apply)."""
+    if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16:
+        ops = dispatch.for_inference(module.weight)
+        if ops is not None:
+            packed_bf16_weight(module, module.weight, ops)
+
+
 def has_hooks(module: nn.Module) -> bool:
     """Whether forward hooks observe ``module`` (then its own forward must run)."""
     return bool(module._forward_pre_hooks or module._forward_hooks)

@@ -5,8 +5,10 @@
       -> (capacity mode) assignments past an expert's capacity dropped
       -> assignments grouped by expert: one gathered [rows, hidden] block per active expert,
          its MLP run once over the block (its linears: bf16 / int8 / int4 kernels, as any linear)
-      -> each row scaled by its weight and added back in token order (experts in ascending order)
-      (+ the shared expert, scaled by sigmoid(shared_gate(x)) where there is a gate)
+      -> each row (widened to float32) scaled by its weight and added back in token order, experts
+         in ascending order, into a float32 sum
+      (+ the shared expert, scaled by sigmoid(shared_gate(x)) where there is a gate), then
+      rounded once to the model dtype
 
 No-drop mode (the default) computes what HF transformers does. With a capacity factor c
 (Switch Transformer), each expert takes at most ceil(c * T * top_k / experts) assignments of the
@@ -25,19 +27,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import MoESpec
-from tokenmill.models.layers import GatedMLP
+from tokenmill.models.layers import GatedMLP, prepack
 
 
 class Gate(nn.Module):
-    """A small float projection (a router's logits, a shared expert's gate): ``x @ weight.T``.
-    Not an nn.Linear, so quantization leaves it in float, as every MoE recipe does."""
+    """A small projection kept in float32 (a router's logits, a shared expert's gate):
+    ``x @ weight.T`` computed in float32, returned as float32. Not an nn.Linear, so quantization
+    leaves it alone, as every MoE recipe does."""
 
     def __init__(self, hidden: int, out: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x.to(self.weight.dtype), self.weight)
 
 
 def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,17 +104,26 @@ class SparseMoE(nn.Module):
                                                                     spec.num_experts))
         if self.stats is not None:
             self.stats.record(self.layer_index, ids, keep, scores)
-        out = self.run_experts(x, weights, ids, keep)
+        out = self.run_experts(x, weights, ids, keep)  # float32
         if self.shared is not None:
-            shared = self.shared(x)
+            shared = self.shared(x).float()
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared
-        return out
+        return out.to(x.dtype)
+
+    def prepare(self) -> None:
+        """Ready every expert's weights for its kernel now (bfloat16 packing), not on the first
+        token routed to it, which would stall that step."""
+        for mlp in [*self.experts, *([self.shared] if self.shared is not None else [])]:
+            for module in (mlp.gate_up, mlp.down):
+                prepack(module)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum over each token's (kept) assignments of weight * expert(x), grouped by expert."""
+        """Sum over each token's (kept) assignments of weight * expert(x), grouped by expert, in
+        float32 [T, hidden]: each expert's rows in the model dtype, widened, scaled by their
+        float32 weight and added in ascending expert order."""
         tokens, k = ids.shape
         flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
         flat_tok = torch.arange(tokens, device=x.device).repeat_interleave(k)
@@ -122,13 +134,13 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.spec.num_experts).tolist()
         rows_tok, rows_w = flat_tok[order], flat_w[order]
         gathered = x[rows_tok]
-        out = torch.zeros_like(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         start = 0
         for expert, n in enumerate(counts):
             if not n:
                 continue
             end = start + n
-            y = self.experts[expert](gathered[start:end]) * rows_w[start:end, None]
-            out.index_add_(0, rows_tok[start:end], y.to(out.dtype))
+            y = self.experts[expert](gathered[start:end]).float() * rows_w[start:end, None]
+            out.index_add_(0, rows_tok[start:end], y)
             start = end
         return out

@@ -44,6 +44,7 @@ from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.loading.weights import (
     FUSED_INTO,
     FUSED_PARTS,
+    GGUF_EXPERTS,
     gguf_name,
     hf_name,
     map_tensors,
@@ -129,8 +130,18 @@ def open_gguf(gguf: GGUFFile, native_types: Collection[GGMLQuantizationType] = (
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[int, GroupedWeight]] = {}
         for name in gguf.tensor_names:
+            if m := GGUF_EXPERTS.match(name):  # [experts, out, in] -> one weight per expert
+                layer, projection = m.groups()
+                stacked = gguf.load_tensor(name)
+                for expert in range(stacked.shape[0]):
+                    yield f"layers.{layer}.mlp.experts.{expert}.{projection}.weight", stacked[expert].clone()
+                del stacked
+                continue
             canonical = gguf_name(name)
             if canonical is None:
+                continue
+            if canonical.endswith("mlp.shared_gate.weight"):  # llama.cpp stores the [1, hidden] gate as [hidden]
+                yield canonical, gguf.load_tensor(name).reshape(1, -1)
                 continue
             if name in parts:
                 module, index = parts[name]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import ModelConfig, MoESpec
 from tokenmill.errors import ModelFormatError, UnsupportedModelError
 
 # GGUF general.architecture -> (tokenmill family, per-architecture switches)
@@ -14,7 +14,11 @@ GGUF_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2": {"family": "llama", "attention_bias": True},
     "qwen3": {"family": "llama", "qk_norm": True},
     "gemma3": {"family": "gemma3", "qk_norm": True, "hidden_act": "gelu_tanh"},
+    "qwen2moe": {"family": "llama", "attention_bias": True, "norm_topk": False},
+    "qwen3moe": {"family": "llama", "qk_norm": True, "norm_topk": True},
+    "olmoe": {"family": "llama", "qk_norm": True, "qk_norm_per_head": False, "norm_topk": False},
 }
+"""Mixtral comes as ``llama`` with ``llama.expert_count``: its experts' weights are renormalised."""
 
 GEMMA3_GLOBAL_EVERY = 6
 """Gemma 3 makes every sixth layer global, the rest sliding-window (GGUF does not record it)."""
@@ -52,10 +56,13 @@ def gguf_model_config(metadata: dict[str, Any], tensor_names: set[str]) -> Model
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6), rope_theta=get("rope.freq_base", 10000.0),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=spec.get("attention_bias", False) and "blk.0.attn_q.bias" in tensor_names,
-        qk_norm=spec.get("qk_norm", False), hidden_act=spec.get("hidden_act", "silu"),
+        qk_norm=spec.get("qk_norm", False), qk_norm_per_head=spec.get("qk_norm_per_head", True),
+        clip_qkv=get("attention.clamp_kqv"), hidden_act=spec.get("hidden_act", "silu"),
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
     )
+    if get("expert_count"):
+        fields["moe"] = _moe_spec(get, spec, n_layers, tensor_names, fields["intermediate_size"])
     window = get("attention.sliding_window")
     if spec["family"] == "gemma3":
         fields.update(
@@ -66,6 +73,23 @@ def gguf_model_config(metadata: dict[str, Any], tensor_names: set[str]) -> Model
     elif window:
         fields.update(sliding_window=window, layer_types=("sliding",) * n_layers)
     return ModelConfig(**fields)
+
+
+def _moe_spec(get, spec: dict[str, Any], n_layers: int, tensor_names: set[str], ffn: int) -> MoESpec:
+    """The experts of an MoE GGUF: llama.cpp's ``expert_*`` keys; MoE layers are those with a
+    router (``blk.N.ffn_gate_inp``), the shared expert is there when its tensors are."""
+    layers = tuple(i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names)
+    shared = get("expert_shared_feed_forward_length") or 0
+    if not shared and any(n.endswith("ffn_gate_shexp.weight") for n in tensor_names):
+        raise ModelFormatError("GGUF has shared-expert tensors but no expert_shared_feed_forward_length")
+    norm = get("expert_weights_norm")
+    return MoESpec(
+        num_experts=get("expert_count"), top_k=get("expert_used_count", required=True),
+        expert_intermediate_size=get("expert_feed_forward_length") or ffn,
+        norm_topk_prob=bool(norm) if norm is not None else spec.get("norm_topk", True),
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=bool(shared) and any(n.endswith("ffn_gate_inp_shexp.weight") for n in tensor_names),
+        layers=None if len(layers) == n_layers else layers)
 
 
 def permutes_rope_rows(metadata: dict[str, Any]) -> bool:

@@ -17,7 +17,11 @@ GGUF_NAMES: dict[str, str] = {
     "attn_output": "attn.o", "attn_q_norm": "attn.q_norm", "attn_k_norm": "attn.k_norm",
     "ffn_norm": "ffn_norm", "ffn_gate": "mlp.gate", "ffn_up": "mlp.up", "ffn_down": "mlp.down",
     "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_ffn_norm",
+    "ffn_gate_inp": "mlp.router", "ffn_gate_shexp": "mlp.shared.gate", "ffn_up_shexp": "mlp.shared.up",
+    "ffn_down_shexp": "mlp.shared.down", "ffn_gate_inp_shexp": "mlp.shared_gate",
 }
+GGUF_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+"""llama.cpp's stacked expert tensors [experts, out, in]: one per projection of a layer's routed experts."""
 GGUF_TOP: dict[str, str] = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}
 
 HF_LAYER_NAMES: dict[str, str] = {
@@ -49,7 +53,8 @@ _HF_STACKED_RE = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.ex
 
 
 def gguf_name(name: str) -> str | None:
-    """Canonical name of a GGUF tensor, or None when tokenmill does not use it."""
+    """Canonical name of a GGUF tensor, or None when tokenmill does not use it (stacked experts:
+    see GGUF_EXPERTS, one GGUF tensor for many canonical ones)."""
     if m := _GGUF_RE.match(name):
         layer, part, kind = m.groups()
         return f"layers.{layer}.{GGUF_NAMES[part]}.{kind}" if part in GGUF_NAMES else None

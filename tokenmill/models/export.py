@@ -25,7 +25,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelFormatError
-from tokenmill.loading.weights import HF_LAYER_NAMES_GEMMA3, HF_LAYER_NAMES_LLAMA, HF_TOP
+from tokenmill.loading.weights import HF_LAYER_NAMES_GEMMA3, HF_LAYER_NAMES_LLAMA, HF_MOE_NAMES, HF_TOP
 from tokenmill.loading.hf_config import hf_model_config
 from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.models.base import CausalLM
@@ -33,6 +33,18 @@ from tokenmill.models.base import CausalLM
 WEIGHTS_FILE = "model.safetensors"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)$")
+MIXTRAL_EXPERT_NAMES = ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
+QWEN_EXPERT_NAMES = ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+"""Where a routed expert's projections go in HF's per-expert layout: Mixtral's, and the others'."""
+
+
+def _moe_hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """Canonical -> HF names of an MoE layer's router and shared expert."""
+    mixtral = hf_config_dict(cfg)["model_type"] == "mixtral"
+    out = {"mlp.router": "block_sparse_moe.gate" if mixtral else "mlp.gate"}
+    out.update({ours: theirs for theirs, ours in HF_MOE_NAMES.items() if ours.startswith("mlp.shared")})
+    return out
 
 
 def canonical_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
@@ -54,6 +66,9 @@ def canonical_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
             pieces = zip(("attn.q", "attn.k", "attn.v"), t.split([q_size, kv_size, kv_size]))
         elif part == "mlp.gate_up":
             pieces = zip(("mlp.gate", "mlp.up"), t.chunk(2))
+        elif part is not None and part.endswith(".gate_up"):  # an MoE expert's or the shared expert's
+            stem = part.removesuffix(".gate_up")
+            pieces = zip((f"{stem}.gate", f"{stem}.up"), t.chunk(2))
         else:
             out[name] = t
             continue
@@ -70,6 +85,8 @@ def hf_state_dict(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
     dtype = dtype or model.embed.weight.dtype
     table = HF_LAYER_NAMES_GEMMA3 if cfg.architecture == "gemma3" else HF_LAYER_NAMES_LLAMA
     to_hf = {ours: theirs for theirs, ours in table.items()}
+    if cfg.moe is not None:
+        to_hf.update(_moe_hf_names(cfg))
     top = {ours: theirs for theirs, ours in HF_TOP.items()}
     out: dict[str, torch.Tensor] = {}
     for name, t in canonical_tensors(model).items():
@@ -84,6 +101,10 @@ def hf_state_dict(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
             out[f"{top[stem]}.{kind}"] = t
         elif m.group(2) in to_hf:
             out[f"model.layers.{m.group(1)}.{to_hf[m.group(2)]}.{m.group(3)}"] = t
+        elif (e := _EXPERT.match(m.group(2))) and cfg.moe is not None:
+            expert, proj = e.groups()
+            names = MIXTRAL_EXPERT_NAMES if hf_config_dict(cfg)["model_type"] == "mixtral" else QWEN_EXPERT_NAMES
+            out[f"model.layers.{m.group(1)}.{names[0]}.experts.{expert}.{names[1][proj]}.{m.group(3)}"] = t
         else:
             raise ModelFormatError(f"no HF name for {name}")
     return {name: t.to(dtype).contiguous() for name, t in out.items()}
@@ -103,7 +124,9 @@ def save_hf(model: CausalLM, config: ModelConfig, tokenizer, out_dir: str | Path
     hf["torch_dtype"] = DTYPE_NAMES[next(iter(state.values())).dtype]
     hf["architectures"] = ["Gemma3ForCausalLM" if config.architecture == "gemma3" else
                            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                            "mistral": "MistralForCausalLM"}[hf["model_type"]]]
+                            "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                            "olmoe": "OlmoeForCausalLM"}[hf["model_type"]]]
     hf.update(extra or {})
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt", "producer": "tokenmill"})

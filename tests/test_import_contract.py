@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"tokenmill.quantization"},                    # quantized weights, methods, checkpoints
     {"tokenmill.pruning"},                         # sparse and structured pruning, the sparse kernel's layer
     {"tokenmill.distillation"},                    # teacher -> student training (KD, acceptance, QAD)
+    {"tokenmill.upcycling"},                       # dense -> mixture-of-experts, trained by distillation
     {"tokenmill.finetune"},                        # LoRA fine-tuning from JSON-lines records
     {"tokenmill.loader"},                          # the facade: any model argument to a loaded model
     {"tokenmill.llm"},                             # the offline API

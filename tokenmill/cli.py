@@ -15,6 +15,7 @@ from tokenmill.engine import ENGINE_OPTIONS, add_engine_options
 from tokenmill.errors import TokenmillError
 from tokenmill.options import add_option_group
 from tokenmill.commands.distill import add_distill_parser, cmd_distill
+from tokenmill.commands.upcycle import add_upcycle_parser, cmd_upcycle
 from tokenmill.commands.eval import add_eval_parser, cmd_eval
 from tokenmill.commands.lora import add_lora_parser, cmd_lora
 from tokenmill.commands.prune import add_prune_parser, cmd_prune
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_qat_parser(sub)
     add_prune_parser(sub)
     add_distill_parser(sub)
+    add_upcycle_parser(sub)
     add_lora_parser(sub)
     add_spec_parser(sub)
     add_eval_parser(sub)
@@ -146,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve,
             "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat, "prune": cmd_prune, "distill": cmd_distill,
-            "spec": cmd_spec, "lora": cmd_lora}
+            "upcycle": cmd_upcycle, "spec": cmd_spec, "lora": cmd_lora}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

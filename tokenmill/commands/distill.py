@@ -47,10 +47,7 @@ def add_distill_parser(sub) -> None:
                    "made by tokenmill prune)")
     d.add_argument("--out", required=True, metavar="DIR", help="output directory (checkpoints, log, plot, student)")
     defaults = DistillConfig()
-    for flags, owner in ((TRAIN_FLAGS, defaults.train), (FLAGS, defaults)):
-        for name, (kind, text) in flags.items():
-            d.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                           help=f"{text} (default: {getattr(owner, name)})")
+    add_training_flags(d, defaults)
     d.add_argument("--qat-group-size", type=int, default=None, metavar="G",
                    help="quantization-aware distillation: train through INT4 weights of group size G, save INT4")
     d.add_argument("--teacher-sequences", type=int, default=None,
@@ -61,21 +58,36 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--teacher-temperature", type=float, default=None,
                    help=f"--data teacher/chat: its sampling temperature, 0 greedy "
                    f"(default: {defaults.teacher_text.temperature})")
-    d.add_argument("--float32-matmuls", action="store_true", help="train with float32 matmuls (default: bfloat16)")
     d.add_argument("--device", default="cpu", help="auto, cpu or cuda")
     d.add_argument("--cache-dir", default=None, help=option_fields(LoadConfig, only=("cache_dir",))[0].metadata["help"])
 
 
-def distill_config(args: argparse.Namespace):
-    """The DistillConfig of the flags given (the others: its defaults)."""
-    from tokenmill.distillation.config import DistillConfig
+def add_training_flags(parser, defaults) -> None:
+    """The training loop's and the losses' flags (FLAGS, TRAIN_FLAGS), their defaults from
+    ``defaults`` (a DistillConfig), and --float32-matmuls."""
+    for flags, owner in ((TRAIN_FLAGS, defaults.train), (FLAGS, defaults)):
+        for name, (kind, text) in flags.items():
+            parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                                help=f"{text} (default: {getattr(owner, name)})")
+    parser.add_argument("--float32-matmuls", action="store_true", help="train with float32 matmuls (default: bfloat16)")
 
+
+def training_options(args: argparse.Namespace) -> dict:
+    """The DistillConfig options the flags of :func:`add_training_flags` give (others left out)."""
     options = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
     train = {name: getattr(args, name) for name in TRAIN_FLAGS if getattr(args, name) is not None}
     if args.float32_matmuls:
         train["mixed_precision"] = False
     if train:
         options["train"] = train
+    return options
+
+
+def distill_config(args: argparse.Namespace):
+    """The DistillConfig of the flags given (the others: its defaults)."""
+    from tokenmill.distillation.config import DistillConfig
+
+    options = training_options(args)
     if args.qat_group_size is not None:
         options["qat"] = args.qat_group_size
     text = {"sequences": args.teacher_sequences, "max_tokens": args.teacher_max_tokens,

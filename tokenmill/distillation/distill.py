@@ -29,6 +29,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -51,6 +52,8 @@ from tokenmill.quantization.checkpoint import save_quantized
 from tokenmill.quantization.qat import convert_qat, prepare_qat, sample_batches, training_logits
 from tokenmill.training.trainer import Trainer, TrainLog
 
+ExtraLoss = Callable[[], tuple[torch.Tensor, dict[str, float]]]
+"""A term added to each micro-batch's loss, read from what its forward passes left (hooks)."""
 LOG_FILE = "log.json"
 PLOT_FILE = "loss.png"
 SPARSE_LAYER_FRACTION = 0.1
@@ -81,10 +84,14 @@ class DistillResult:
 
 def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, config: DistillConfig,
             out_dir: str | os.PathLike, progress: bool = True, tokenizer: Tokenizer | None = None,
-            cache_dir: str | os.PathLike | None = None) -> DistillResult:
+            cache_dir: str | os.PathLike | None = None, extra_loss: ExtraLoss | None = None,
+            extra_record: dict | None = None) -> DistillResult:
     """Train ``student`` (float32, in place) on ``teacher`` (frozen) as ``config`` says; checkpoints,
     the log, the plot and the student go to ``out_dir``; a checkpoint there is resumed from.
-    ``tokenizer``: the shared tokenizer, needed when both models are bare CausalLMs."""
+    ``tokenizer``: the shared tokenizer, needed when both models are bare CausalLMs.
+    ``extra_loss``: called after each micro-batch's forward passes, its loss added to the
+    objective and its values to the log (an MoE student's load-balancing loss); ``extra_record``:
+    further entries of the ``distillation`` record in the student's config.json and log.json."""
     start = time.monotonic()
     teacher, student = _loaded(teacher, tokenizer, "teacher"), _loaded(student, tokenizer, "student")
     check_same_vocabulary(teacher, student)
@@ -96,7 +103,7 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
     scores = {"teacher": _perplexity(teacher.model, held_out), "student_before": _perplexity(student.model, held_out)}
     ids = training_tokens(config, teacher, out, cache, progress)
 
-    log = _train(teacher.model, student.model, config, ids, out, progress, held_out)
+    log = _train(teacher.model, student.model, config, ids, out, progress, held_out, extra_loss)
     if config.qat is not None:
         convert_qat(student.model, config.qat, progress)
     else:
@@ -105,7 +112,7 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
     tokens = config.train.steps * config.tokens_per_step
     record = {"config": config.to_dict(), "teacher": teacher.source.name, "student": student.source.name,
               "tokens_seen": tokens, "wall_seconds": round(time.monotonic() - start, 3),
-              "resumed_at": log.resumed_at, "perplexity": scores}
+              "resumed_at": log.resumed_at, "perplexity": scores, **(extra_record or {})}
     saved = _save(student, out / "student", {**pruned_from(student, config), "distillation": record})
     (out / LOG_FILE).write_text(json.dumps({**record, "per_step": log.values}, indent=2))
     plot = plot_losses(log.values, out / PLOT_FILE)
@@ -126,7 +133,7 @@ def distill_models(teacher: str | os.PathLike, student: str | os.PathLike, confi
 # --------------------------------------------------------------------------- checks and parts
 
 def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: list[int], out: Path,
-           progress: bool, held_out: list[int] | None = None) -> TrainLog:
+           progress: bool, held_out: list[int] | None = None, extra_loss: ExtraLoss | None = None) -> TrainLog:
     """Prepare the student (masks of its zeros, fake quantization, projections) and run the trainer;
     every ``config.eval_every`` steps the student's perplexity on ``held_out`` joins the log."""
     masks = sparsity_masks(student) if config.keep_sparsity else []
@@ -149,7 +156,15 @@ def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: lis
             return {"eval_step": step, "eval_perplexity": _perplexity(student, held_out)}
         return None
 
-    log = trainer.fit(batches, lambda batch: _step_loss(teacher, student, features, batch, config), after_step=after_step)
+    def step_loss(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, values = _step_loss(teacher, student, features, batch, config)
+        if extra_loss is not None:
+            more, more_values = extra_loss()
+            loss = loss + more
+            values.update(more_values)
+        return loss, values
+
+    log = trainer.fit(batches, step_loss, after_step=after_step)
     student.requires_grad_(False)
     return log
 

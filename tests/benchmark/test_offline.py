@@ -54,3 +54,27 @@ def test_table_and_roofline(result, tmp_path) -> None:
     assert "MBU (decode steps)" in text and "Output token throughput" in text
     png = plot_offline_roofline(data, tmp_path / "roof.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_moe_model_routing_bytes_and_expert_load(tmp_path) -> None:
+    """A tiny Mixtral: the result carries its routing (every prompt and decode token routed to
+    top_k experts in each layer), a decode step's bytes count only the experts its routers
+    picked, and the expert-load plot is drawn."""
+    from tokenmill.models.moe_stats import plot_expert_load
+    from tests.models.moe_helpers import tiny_moe_model
+
+    tiny_moe_model("mixtral", tmp_path / "m")
+    llm = LLM(str(tmp_path / "m"), dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory=4 << 20)
+    data = run_offline(llm, OfflineConfig(num_requests=5, input_len="10:30", output_len="4:6", seed=1), CEILINGS,
+                       progress=False)
+    cost = ModelCost.of(llm.engine.runner.model)
+    moe, s = data["moe"], data["summary"]
+    assert cost.routed_experts == 3 * 6 and cost.expert_bytes > 0
+    assert cost.bytes_read(0, active_experts=0) == cost.weight_bytes - 18 * cost.expert_bytes
+    ran = s["total_input_tokens"] + s["total_output_tokens"] - s["requests"]  # the last token of each is not run
+    assert moe["assignments"] == 3 * 2 * ran  # warm-up drained before the run
+    assert len(moe["load"]) == 3 and all(abs(sum(row) - 1) < 1e-9 for row in moe["load"])
+    assert moe["max_load_vs_even"] >= 1 and moe["dropped"] == 0
+    assert "MoE: most loaded expert" in format_offline(data)
+    png = plot_expert_load(moe["load"], tmp_path / "load.png", "load")
+    assert png.read_bytes()[:4] == b"\x89PNG"

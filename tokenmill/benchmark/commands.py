@@ -244,6 +244,14 @@ def cmd_offline(args: argparse.Namespace) -> int:
     path = write_json(result, args.out or default_out("offline"))
     plot = plot_offline_roofline(result, path.with_suffix(".png"))
     print(f"results: {path}\nroofline: {plot}")
+    if "moe" in result:
+        from tokenmill.models.moe_stats import plot_expert_load
+
+        moe = result["moe"]
+        load_plot = plot_expert_load(moe["load"], path.with_name(path.stem + "-expert-load.png"),
+                                     f"{result['model']['name']}: share of routed tokens per MoE layer "
+                                     f"(even: {1 / len(moe['load'][0]):.3f})")
+        print(f"expert load: {load_plot}")
     return 0
 
 

@@ -136,10 +136,17 @@ class ModelCost:
     weight_bytes: int
     """Bytes of every parameter and buffer a step reads (an untied embedding is only gathered: left out)."""
     matmul_params: int
-    """Weights of matmuls, from the architecture: q, k, v, o and the gated MLP of every layer, and
-    the LM head (however the weights are stored, quantized or not)."""
+    """Weights of matmuls one token runs through, from the architecture: q, k, v, o and the gated
+    MLP of every layer (MoE layers: the router, top_k experts and the shared one), and the LM head
+    (however the weights are stored, quantized or not)."""
     kv_bytes_per_token: int
     """K and V of one token across all layers."""
+
+    expert_bytes: int = 0
+    """MoE models: bytes of one routed expert's weights (a decode step reads only the experts its
+    routers picked); 0 for a dense model."""
+    routed_experts: int = 0
+    """MoE models: routed experts over all layers."""
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelCost:
@@ -153,13 +160,29 @@ class ModelCost:
             seen.add(t.data_ptr())
             weight_bytes += t.numel() * t.element_size()
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-        matmul = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+        attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+        moe, expert_bytes, routed = cfg.moe, 0, 0
+        matmul = cfg.vocab_size * cfg.hidden_size
+        for i in range(cfg.num_layers):
+            if not cfg.is_moe_layer(i):
+                matmul += attention + 3 * cfg.hidden_size * cfg.intermediate_size
+                continue
+            # a token runs through top_k experts, the shared one and the router
+            matmul += attention + cfg.hidden_size * (3 * moe.top_k * moe.expert_intermediate_size
+                                                      + 3 * moe.shared_expert_intermediate_size + moe.num_experts)
+            experts = model.layers[i].mlp.experts
+            expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters())
+            routed += len(experts)
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * embed.element_size()
-        return cls(weight_bytes, matmul, kv_bytes)
+        return cls(weight_bytes, matmul, kv_bytes, expert_bytes, routed)
 
-    def bytes_read(self, kv_tokens: int) -> int:
-        return self.weight_bytes + self.kv_bytes_per_token * kv_tokens
+    def bytes_read(self, kv_tokens: int, active_experts: int | None = None) -> int:
+        """Weights and KV a step reads; ``active_experts``: of an MoE model, how many (layer,
+        expert) pairs the step's routers picked (None: all)."""
+        weights = self.weight_bytes
+        if active_experts is not None and self.routed_experts:
+            weights -= (self.routed_experts - active_experts) * self.expert_bytes
+        return weights + self.kv_bytes_per_token * kv_tokens
 
     def flops(self, tokens: int) -> int:
         return 2 * self.matmul_params * tokens

@@ -74,6 +74,7 @@ def run_offline(llm, config: OfflineConfig, ceilings: HardwareCeilings, progress
     engine, cost = llm.engine, ModelCost.of(llm.engine.runner.model)
     _drain(engine, [(prompts[0][0][:8], 2)])  # warm-up: first-call allocations stay out of the figures
     steps, added, first, done = [], {}, {}, {}
+    routing = None  # an MoE model's routing over the run (MoEStepStats)
     start = time.perf_counter()
     for ids, out in prompts:
         request = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
@@ -84,8 +85,11 @@ def run_offline(llm, config: OfflineConfig, ceilings: HardwareCeilings, progress
             now = time.perf_counter()
             stats = engine.stats[-1]
             decode_only = stats.num_batched_tokens == stats.num_scheduled and stats.num_sampled == stats.num_scheduled
+            active = None if stats.moe is None else sum(1 for row in stats.moe.tokens_per_expert for n in row if n)
             steps.append(StepCost(stats.seconds, stats.num_batched_tokens, decode_only,
-                                  cost.bytes_read(stats.kv_tokens), cost.flops(stats.num_batched_tokens)))
+                                  cost.bytes_read(stats.kv_tokens, active), cost.flops(stats.num_batched_tokens)))
+            if stats.moe is not None:
+                routing = stats.moe if routing is None else routing.plus(stats.moe)
             for delta in outputs:
                 if delta.num_new_tokens and delta.request_id not in first:
                     first[delta.request_id] = now
@@ -93,7 +97,7 @@ def run_offline(llm, config: OfflineConfig, ceilings: HardwareCeilings, progress
                     done[delta.request_id] = now
                     bar.update(1)
     duration = time.perf_counter() - start
-    return _result(llm, config, cost, ceilings, steps, added, first, done, duration)
+    return _result(llm, config, cost, ceilings, steps, added, first, done, duration, routing)
 
 
 def _drain(engine, prompts: list[tuple[list[int], int]]) -> None:
@@ -104,7 +108,7 @@ def _drain(engine, prompts: list[tuple[list[int], int]]) -> None:
 
 
 def _result(llm, config: OfflineConfig, cost: ModelCost, ceilings: HardwareCeilings, steps: list[StepCost],
-            added: dict, first: dict, done: dict, duration: float) -> dict:
+            added: dict, first: dict, done: dict, duration: float, routing=None) -> dict:
     ttft, tpot, e2el = [], [], []
     for rid, (t0, _, out) in added.items():
         ttft.append(first[rid] - t0)
@@ -131,10 +135,24 @@ def _result(llm, config: OfflineConfig, cost: ModelCost, ceilings: HardwareCeili
         "mfu": _rate(steps, "flops") / peak if steps else None,
         "mfu_prefill": _rate(prefill, "flops") / peak if prefill else None,
     }
-    return {"kind": "offline", "model": {"name": llm.model_name, "dtype": dtype, "device": str(llm.device),
-                                         **asdict(cost)},
-            "config": asdict(config), "hardware": asdict(ceilings), "summary": summary,
-            "roofline": _roofline_points(decode, prefill)}
+    result = {"kind": "offline", "model": {"name": llm.model_name, "dtype": dtype, "device": str(llm.device),
+                                           **asdict(cost)},
+              "config": asdict(config), "hardware": asdict(ceilings), "summary": summary,
+              "roofline": _roofline_points(decode, prefill)}
+    if routing is not None:
+        result["moe"] = moe_summary(routing)
+    return result
+
+
+def moe_summary(routing) -> dict:
+    """An MoE model's routing over the run: per MoE layer each expert's share of the assignments,
+    the most loaded expert against an even share, dropped assignments, mean router entropy."""
+    layers = [i for i, row in enumerate(routing.tokens_per_expert) if sum(row)]
+    load = [[n / sum(routing.tokens_per_expert[i]) for n in routing.tokens_per_expert[i]] for i in layers]
+    experts = len(load[0])
+    return {"layers": layers, "load": load, "tokens_per_expert": [routing.tokens_per_expert[i] for i in layers],
+            "max_load_vs_even": max(max(row) for row in load) * experts, "dropped": routing.dropped,
+            "assignments": sum(map(sum, routing.tokens_per_expert)), "mean_router_entropy": routing.mean_entropy}
 
 
 def _rate(steps: list[StepCost], attr: str) -> float:
@@ -177,4 +195,9 @@ def format_offline(result: dict) -> str:
             (f"Peak matmul {m['dtype']} (GFLOP/s)", fmt(hw["matmul_flops"][m["dtype"]] / 1e9, 1)),
             ("MBU (decode steps)", pct(s["mbu"])), ("MFU (all steps)", pct(s["mfu"])),
             ("MFU (prefill steps)", pct(s["mfu_prefill"]))]
+    if "moe" in result:
+        moe = result["moe"]
+        rows += [("MoE: most loaded expert vs even share", f"x{fmt(moe['max_load_vs_even'], 2)}"),
+                 ("MoE: dropped / routed assignments", f"{moe['dropped']} / {moe['assignments']}"),
+                 ("MoE: mean router entropy (nats)", fmt(moe["mean_router_entropy"], 3))]
     return table(rows, " Offline Benchmark Result ")

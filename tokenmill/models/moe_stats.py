@@ -8,6 +8,7 @@ as they run; the engine drains it once per step into a :class:`MoEStepStats` for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -74,3 +75,22 @@ class ExpertStats:
         out = MoEStepStats(self.routed.tolist(), self.dropped.tolist(), float(self.entropy), self.tokens)
         self._reset(self.routed.device)
         return out
+
+
+def plot_expert_load(load: list[list[float]], path: Path, title: str) -> Path | None:
+    """A layers x experts heatmap of each expert's share of its layer's routed tokens."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(load[0]), 1.5 + 0.22 * len(load)))
+    image = ax.imshow(load, aspect="auto", cmap="viridis", vmin=0)
+    ax.set(xlabel="expert", ylabel="MoE layer", title=title)
+    fig.colorbar(image, ax=ax, label="share of routed tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -39,6 +39,7 @@ from tokenmill.models.base import CausalLM
 from tokenmill.models.builder import LoadedModel, build_model
 from tokenmill.models.export import canonical_tensors
 from tokenmill.models.moe import SparseMoE
+from tokenmill.models.moe_stats import plot_expert_load
 from tokenmill.paths import default_cache_dir
 from tokenmill.quantization.api import load_float32
 from tokenmill.upcycling.config import UpcycleConfig
@@ -214,25 +215,6 @@ def expert_similarity(model: CausalLM) -> dict:
         n = cos.shape[0]
         sims.append(((cos.sum() - n) / (n * (n - 1))).item())
     return {"mean_pairwise_cosine": sum(sims) / len(sims), "per_layer": sims}
-
-
-def plot_expert_load(load: list[list[float]], path: Path, title: str) -> Path | None:
-    """A layers x experts heatmap of each expert's share of its layer's routed tokens."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(load[0]), 1.5 + 0.22 * len(load)))
-    image = ax.imshow(load, aspect="auto", cmap="viridis", vmin=0)
-    ax.set(xlabel="expert", ylabel="MoE layer", title=title)
-    fig.colorbar(image, ax=ax, label="share of routed tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def _count(model: CausalLM) -> int:

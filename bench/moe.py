@@ -2,7 +2,7 @@
 models with the same active and the same total parameters.
 
     python bench/moe.py [--batches 1 32] [--decode-tokens 32] [--rounds 3] [--dtype bfloat16]
-                        [--experts 8] [--top-k 2] [--layers 30]
+                        [--experts 8] [--top-k 2] [--layers 30] [--upcycled DIR]
 
 Models (random weights, SmolLM2-135M's shape otherwise: hidden 576, 9 heads, 3 KV heads, vocab
 49152): ``moe`` has ``--experts`` experts of SmolLM2's MLP shape (576 -> 1536), ``--top-k`` per
@@ -13,7 +13,11 @@ the figure is the median wall time of the decode steps (every sequence computes 
 models rotating within each round. At batch 32 every expert is active, so besides the time ratio
 the run reports the bytes each model's decode step must read (the MoE: attention, routers and the
 experts its routers picked in that step, from the engine's routing stats) and time per byte.
-Writes JSON and a PNG under bench/results/.
+With ``--upcycled DIR`` (what ``tokenmill upcycle smollm2-135m-instruct --out DIR`` wrote), the
+run also times the upcycled SmolLM2 against the dense original the same way (decode ms per step
+and tok/s) and copies the upcycling report's quality figures: held-out perplexity of the dense
+model, of the dense model trained on the same tokens and of the upcycled one, expert balance and
+router entropy. Writes JSON and a PNG under bench/results/.
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--upcycled", default=None, help="a tokenmill upcycle output directory")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
 
@@ -116,6 +121,11 @@ def main() -> None:
         engines[name] = (LLMEngine(LoadedModel(model, cfg, smollm.tokenizer, smollm.source), torch.device("cpu"),
                                    EngineConfig.from_options(max_num_seqs=max(args.batches))), params)
         print(f"  {params / 1e6:.0f}M parameters", flush=True)
+    if args.upcycled:
+        for name, path in (("smollm2", None), ("smollm2-upcycled", Path(args.upcycled) / "student")):
+            loaded = load_model("smollm2-135m-instruct" if path is None else path, dtype, "cpu")
+            engines[name] = (LLMEngine(loaded, torch.device("cpu"), EngineConfig.from_options(
+                max_num_seqs=max(args.batches))), sum(p.numel() for p in loaded.model.parameters()))
     del smollm
 
     results: dict = {"config": vars(args), "parameters": {n: p for n, (_, p) in engines.items()}, "batches": {}}
@@ -137,12 +147,27 @@ def main() -> None:
         entry["ratio_vs_dense_active"] = entry["step_ms"]["moe"] / entry["step_ms"]["dense-active"]
         entry["ratio_vs_dense_total"] = entry["step_ms"]["moe"] / entry["step_ms"]["dense-total"]
         entry["bytes_ratio_vs_dense_active"] = entry["step_mb"]["moe"] / entry["step_mb"]["dense-active"]
+        entry["tok_s"] = {n: batch * 1e3 / ms for n, ms in entry["step_ms"].items()}
+        if args.upcycled:
+            entry["ratio_upcycled_vs_smollm2"] = entry["step_ms"]["smollm2-upcycled"] / entry["step_ms"]["smollm2"]
         results["batches"][batch] = entry
         print(f"batch {batch}: " + ", ".join(f"{n} {entry['step_ms'][n]:.2f} ms ({entry['step_mb'][n]:.0f} MB read)"
                                              for n in engines)
               + f"; moe / dense-active x{entry['ratio_vs_dense_active']:.2f} (bytes x"
                 f"{entry['bytes_ratio_vs_dense_active']:.2f}), moe / dense-total x{entry['ratio_vs_dense_total']:.2f}",
               flush=True)
+        if args.upcycled:
+            print(f"  upcycled SmolLM2 {entry['tok_s']['smollm2-upcycled']:.1f} tok/s vs dense "
+                  f"{entry['tok_s']['smollm2']:.1f} tok/s (step x{entry['ratio_upcycled_vs_smollm2']:.2f})", flush=True)
+    if args.upcycled:
+        report = json.loads((Path(args.upcycled) / "upcycle.json").read_text())
+        results["upcycled"] = {k: report[k] for k in ("perplexity", "routing", "expert_similarity", "parameters",
+                                                      "tokens_seen", "config")}
+        ppl, routing = report["perplexity"], report["routing"]
+        print(f"upcycled SmolLM2: perplexity dense {ppl['dense']:.2f}, dense trained on the same tokens "
+              f"{ppl.get('dense_trained', float('nan')):.2f}, upcycled {ppl['upcycled']:.2f}; expert shares "
+              f"{routing['min_share']:.3f}..{routing['max_share']:.3f}, router entropy "
+              f"{100 * routing['entropy_fraction']:.0f}% of the maximum", flush=True)
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = RESULTS / f"moe-{stamp}.json"
@@ -162,7 +187,8 @@ def plot(results: dict, path: Path) -> None:
     for ax, batch in zip([axes] if len(batches) == 1 else axes, batches):
         entry = results["batches"][batch]
         names = list(entry["step_ms"])
-        ax.bar(names, [entry["step_ms"][n] for n in names], color=["C1", "C0", "C2"])
+        ax.bar(names, [entry["step_ms"][n] for n in names], color=[f"C{i}" for i in range(len(names))])
+        ax.tick_params(axis="x", labelrotation=30)
         for i, n in enumerate(names):
             ax.text(i, entry["step_ms"][n], f"{entry['step_mb'][n]:.0f} MB", ha="center", va="bottom", fontsize=8)
         ax.set_title(f"batch {batch}")

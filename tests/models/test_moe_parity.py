@@ -32,9 +32,10 @@ def test_logits_match_hf(arch, layout, tmp_path):
     assert (chunked - expected).abs().max().item() <= 1e-3
 
 
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_continuations_match_hf(arch, tmp_path):
-    hf = tiny_moe_model(arch, tmp_path, seed=2)
+def test_greedy_continuations_match_hf(arch, layout, tmp_path):
+    hf = tiny_moe_model(arch, tmp_path, layout, seed=2)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=2**22)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 12, 23)]

@@ -68,6 +68,19 @@ class ExpertStats:
         self.entropy += routing_entropy(scores).sum()
         self.tokens += ids.shape[0]
 
+    def record_layers(self, layers: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor,
+                      scores: torch.Tensor) -> None:
+        """:meth:`record` of M layers' routing at once (no drops): ``layers`` int64 [M] their
+        indices, ``offsets`` [M, 1, 1] = m * experts, ids [M, B, k], scores [M, B, experts]. The
+        same counts; the entropy summed in one float32 sum (per layer: equal to rounding)."""
+        if self.routed.device != ids.device:
+            self._reset(ids.device)
+        m, experts = ids.shape[0], scores.shape[-1]
+        per_layer = torch.bincount((ids + offsets).view(-1), minlength=m * experts)
+        self.routed.index_add_(0, layers, per_layer.view(m, experts))
+        self.entropy += routing_entropy(scores.view(-1, experts)).sum()
+        self.tokens += m * ids.shape[1]
+
     def drain(self) -> MoEStepStats | None:
         """What was recorded since the last drain (None: nothing routed), and start again."""
         if not self.tokens:

@@ -12,14 +12,22 @@
 // Rounding: every operation computes in float32 and rounds once to the model dtype, except
 // where the PyTorch model rounds in between on purpose (Llama's RMSNorm casts before applying
 // its weight, Gemma's after; see RMSNorm in layers.py).
+//
+// A mixture-of-experts layer's MLP (tokenmill.models.moe.SparseMoE, no-drop routing) runs in the
+// stack too: the router's float32 logits and scores by the PyTorch operations SparseMoE calls,
+// top-k as torch.topk selects, then each active expert once over its gathered rows with the
+// linear kernels and act_mul above, summed in float32 in SparseMoE.run_experts' order.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <pybind11/native_enum.h>
@@ -36,6 +44,29 @@ template <typename T>
 inline T round_to(float v) {
   return static_cast<T>(v);
 }
+
+// a + b, a * b and a / b, each rounded once as PyTorch's kernels round them: through volatile, so
+// that -ffast-math (the kernels' flags) can neither fuse a product into a sum nor divide by a
+// reciprocal or reorder a sum.
+inline float exact_add(float a, float b) {
+  volatile float r = a + b;
+  return r;
+}
+inline float exact_mul(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
+inline float exact_div(float a, float b) {
+  volatile float d = b;
+  volatile float r = a / d;
+  return r;
+}
+
+#if defined(__AVX512F__)
+// The rounding of the *_round_ps intrinsics (IEEE's default): unlike _mm512_add_ps and
+// _mm512_mul_ps, the compiler never fuses them into a multiply-add.
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#endif
 
 // One row of C values: out = norm(x) * w, rounded as the model does.
 template <typename T, typename W>
@@ -283,8 +314,27 @@ struct LoraWeights {
 // The modules of a layer LoRA may adapt, in the order of Layer::lora.
 enum LoraModule : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 
+// The mixture-of-experts MLP of a layer, as tokenmill.models.moe.SparseMoE computes it without a
+// capacity limit: scores = softmax (or sigmoid) of the float32 router logits, the top_k experts of
+// each token (weights renormalised to sum to 1 with norm_topk_prob), each expert a gated MLP
+// (gate_up, act_mul, down) run once over its tokens' rows, their outputs widened to float32,
+// scaled by the weights and summed (experts in ascending order), plus the shared expert (scaled by
+// sigmoid(shared_gate x) when it has a gate), rounded once to the model dtype.
+struct MoE {
+  torch::Tensor router;                 // float32 [E, hidden]
+  int64_t top_k = 0;
+  bool norm_topk_prob = false;
+  bool sigmoid = false;                 // scores: sigmoid per expert, else softmax over the experts
+  std::vector<Linear> gate_up, down;    // expert e's: [2 I, hidden], [hidden, I]
+  Linear shared_gate_up, shared_down;   // the shared expert's; weight undefined: none
+  torch::Tensor shared_gate;            // float32 [1, hidden], or undefined: no gate
+
+  int64_t experts() const { return router.size(0); }
+};
+
 struct Layer {
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;  // gate_up, down: undefined weights for an MoE layer
+  std::optional<MoE> moe;        // the layer's MLP is this mixture of experts (add_moe)
   std::array<std::optional<LoraWeights>, 4> lora;  // qkv, o, gate_up, down: set_lora's, else none
   torch::Tensor attn_norm, ffn_norm, post_attn_norm, post_ffn_norm, q_norm, k_norm;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, plan = 0;
@@ -309,9 +359,13 @@ class DecodeStack {
   DecodeStack(double eps, bool cast_before_scale) : eps_(eps), cast_(cast_before_scale) {}
 
   // rope: which of run()'s RoPE tables the layer uses; plan: which of its attention plans.
+  // gate_up, down: the dense MLP, or none for a layer whose MLP add_moe gives next; gelu_tanh: the
+  // MLP's activation (every expert's, for an MoE layer).
   void add_layer(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qk_norms, Linear qkv, Linear o,
-                 Linear gate_up, Linear down, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
-                 bool gelu_tanh, int64_t rope, int64_t plan, std::vector<torch::Tensor> cache) {
+                 std::optional<Linear> gate_up, std::optional<Linear> down, int64_t heads, int64_t kv_heads,
+                 int64_t head_dim, double scale, bool gelu_tanh, int64_t rope, int64_t plan,
+                 std::vector<torch::Tensor> cache) {
+    TORCH_CHECK(gate_up.has_value() == down.has_value(), "add_layer: give gate_up and down, or neither (MoE)");
     TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "norms: attn, ffn (and post_attn, post_ffn)");
     TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2, "qk_norms: none or q and k");
     TORCH_CHECK(cache.size() == 2 || cache.size() == 4, "cache: keys, values (and their scales)");
@@ -319,12 +373,52 @@ class DecodeStack {
     l.attn_norm = norms[0], l.ffn_norm = norms[1];
     if (norms.size() == 4) l.post_attn_norm = norms[2], l.post_ffn_norm = norms[3];
     if (!qk_norms.empty()) l.q_norm = qk_norms[0], l.k_norm = qk_norms[1];
-    l.qkv = std::move(qkv), l.o = std::move(o), l.gate_up = std::move(gate_up), l.down = std::move(down);
+    l.qkv = std::move(qkv), l.o = std::move(o);
+    if (gate_up) l.gate_up = std::move(*gate_up), l.down = std::move(*down);
     l.heads = heads, l.kv_heads = kv_heads, l.head_dim = head_dim, l.scale = scale, l.gelu_tanh = gelu_tanh;
     l.rope = rope, l.plan = plan;
     l.keys = cache[0], l.values = cache[1];
     if (cache.size() == 4) l.key_scales = cache[2], l.value_scales = cache[3];
     layers_.push_back(std::move(l));
+  }
+
+  // The MLP of the last layer added (added without gate_up and down) as a mixture of experts: router
+  // float32 [E, hidden], top_k of the E experts per token, expert e's gate_up[e] and down[e], and
+  // optionally a shared expert (shared_gate_up, shared_down) with its float32 gate [1, hidden].
+  // run() hands back each MoE layer's routing, in layer order (its routing_ids, routing_scores).
+  void add_moe(torch::Tensor router, int64_t top_k, bool norm_topk_prob, bool sigmoid, std::vector<Linear> gate_up,
+               std::vector<Linear> down, std::optional<Linear> shared_gate_up, std::optional<Linear> shared_down,
+               std::optional<torch::Tensor> shared_gate) {
+    TORCH_CHECK(!layers_.empty(), "add_moe: add its layer first");
+    Layer& l = layers_.back();
+    TORCH_CHECK(!l.moe && !l.gate_up.weight.defined(), "add_moe: the last layer already has its MLP");
+    const int64_t hidden = l.ffn_norm.size(0);
+    TORCH_CHECK(router.dim() == 2 && router.scalar_type() == torch::kFloat32 && router.size(1) == hidden &&
+                    router.size(0) > 0 && router.is_contiguous(),
+                "add_moe: router must be a contiguous float32 [experts, ", hidden, "]");
+    const int64_t E = router.size(0);
+    TORCH_CHECK(top_k >= 1 && top_k <= E, "add_moe: top_k must be in 1..", E);
+    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == E && static_cast<int64_t>(down.size()) == E,
+                "add_moe: one gate_up and one down per expert");
+    for (int64_t e = 0; e < E; ++e)
+      TORCH_CHECK(gate_up[e].out_features % 2 == 0 && down[e].out_features == hidden,
+                  "add_moe: expert ", e, " must be gate_up [2 I, hidden], down [hidden, I]");
+    TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value(),
+                "add_moe: give the shared expert's gate_up and down, or neither");
+    TORCH_CHECK(!shared_gate || shared_gate_up, "add_moe: a shared gate needs a shared expert");
+    TORCH_CHECK(!shared_gate || (shared_gate->scalar_type() == torch::kFloat32 && shared_gate->dim() == 2 &&
+                                 shared_gate->size(0) == 1 && shared_gate->size(1) == hidden),
+                "add_moe: shared_gate must be float32 [1, ", hidden, "]");
+    MoE m;
+    m.router = std::move(router), m.top_k = top_k, m.norm_topk_prob = norm_topk_prob, m.sigmoid = sigmoid;
+    m.gate_up = std::move(gate_up), m.down = std::move(down);
+    if (shared_gate_up) {
+      TORCH_CHECK(shared_gate_up->out_features % 2 == 0 && shared_down->out_features == hidden,
+                  "add_moe: the shared expert must be gate_up [2 I, hidden], down [hidden, I]");
+      m.shared_gate_up = std::move(*shared_gate_up), m.shared_down = std::move(*shared_down);
+    }
+    if (shared_gate) m.shared_gate = std::move(*shared_gate);
+    l.moe = std::move(m);
   }
 
   // The LoRA stacks of ``module`` (LoraModule) of ``layer``: run() with lora_slots adds their update.
@@ -333,6 +427,8 @@ class DecodeStack {
                 std::optional<torch::Tensor> A_scale, std::optional<torch::Tensor> B_scale) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && module >= 0 && module < 4,
                 "set_lora: no layer ", layer, " module ", module);
+    TORCH_CHECK(module < kGateUp || !layers_[layer].moe, "set_lora: layer ", layer,
+                "'s MLP is a mixture of experts, which adapters do not target");
     layers_[layer].lora[module] = LoraWeights{std::move(A), std::move(B), std::move(part_starts), std::move(A_scale),
                                               std::move(B_scale)};
   }
@@ -341,12 +437,48 @@ class DecodeStack {
     for (Layer& l : layers_) l.lora.fill(std::nullopt);
   }
 
+  // Tensors whose change leaves the stack stale (the weights it holds packed copies of):
+  // unchanged() tells whether each still has the data, version and shape it had when watched. An
+  // nn.Parameter assigned its .data keeps its version but not its data pointer.
+  void watch(std::vector<torch::Tensor> tensors) {
+    for (auto& t : tensors) {
+      Watched w{t, t._version(), t.data_ptr(), t.sizes().vec()};
+      watched_.push_back(std::move(w));
+    }
+  }
+
+  bool unchanged() const {
+    for (const Watched& w : watched_) {
+      if (w.tensor._version() != w.version || w.tensor.data_ptr() != w.data || !w.tensor.sizes().equals(w.sizes))
+        return false;
+    }
+    return true;
+  }
+
   // h [B, hidden]; ropes: (cos, sin) [B, head_dim] per RoPE table; plans: one DecodePlan per
   // attention plan (a layer's ``plan`` indexes them); lora_slots: int32 [B], each token's LoRA
   // slot (-1: none) in the stacks set_lora gave, or none (no adapter this step).
+  // routing_ids int64 [M, B, top_k], routing_scores float32 [M, B, experts] (contiguous; M the
+  // stack's MoE layers), when given, receive each MoE layer's expert ids and router scores, as
+  // tokenmill.models.moe.route returns them.
   torch::Tensor run(torch::Tensor h, std::vector<std::pair<torch::Tensor, torch::Tensor>> ropes,
-                    std::vector<DecodePlan> plans, std::optional<torch::Tensor> lora_slots) const {
+                    std::vector<DecodePlan> plans, std::optional<torch::Tensor> lora_slots,
+                    std::optional<torch::Tensor> routing_ids, std::optional<torch::Tensor> routing_scores) const {
     const int64_t B = h.size(0);
+    int64_t moe_layers = 0;
+    for (const Layer& l : layers_) moe_layers += l.moe.has_value();
+    if (routing_ids)
+      TORCH_CHECK(routing_ids->scalar_type() == torch::kInt64 && routing_ids->is_contiguous() &&
+                      routing_ids->dim() == 3 && routing_ids->size(0) == moe_layers && routing_ids->size(1) == B,
+                  "DecodeStack.run: routing_ids must be a contiguous int64 [", moe_layers, ", ", B, ", top_k]");
+    if (routing_scores)
+      TORCH_CHECK(routing_scores->scalar_type() == torch::kFloat32 && routing_scores->is_contiguous() &&
+                      routing_scores->dim() == 3 && routing_scores->size(0) == moe_layers &&
+                      routing_scores->size(1) == B,
+                  "DecodeStack.run: routing_scores must be a contiguous float32 [", moe_layers, ", ", B,
+                  ", experts]");
+    MoEScratch scratch;
+    int64_t moe_index = 0;
     auto adapt = [&](const Layer& l, LoraModule m, const torch::Tensor& x, torch::Tensor& y) {
       if (!lora_slots || !l.lora[m]) return;
       const LoraWeights& w = *l.lora[m];
@@ -374,11 +506,24 @@ class DecodeStack {
       if (l.post_attn_norm.defined()) a = rms_norm(a, l.post_attn_norm, eps_, cast_);
       h = h + a;
       auto x2 = rms_norm(h, l.ffn_norm, eps_, cast_);
-      auto gate_up = l.gate_up(x2);
-      adapt(l, kGateUp, x2, gate_up);
-      auto inner = act_mul(gate_up, l.gelu_tanh);
-      auto m = l.down(inner);
-      adapt(l, kDown, inner, m);
+      torch::Tensor m;
+      if (l.moe) {
+        const MoE& moe = *l.moe;
+        TORCH_CHECK(!routing_ids || routing_ids->size(2) == moe.top_k,
+                    "DecodeStack.run: routing_ids must have top_k = ", moe.top_k, " columns");
+        TORCH_CHECK(!routing_scores || routing_scores->size(2) == moe.experts(),
+                    "DecodeStack.run: routing_scores must have ", moe.experts(), " columns");
+        m = moe_mlp(moe, x2, l.gelu_tanh, routing_ids ? (*routing_ids)[moe_index] : torch::Tensor(),
+                    routing_scores ? (*routing_scores)[moe_index] : torch::Tensor(), scratch);
+        ++moe_index;
+      } else {
+        TORCH_CHECK(l.gate_up.weight.defined(), "DecodeStack.run: a layer without its MLP (add_moe missing)");
+        auto gate_up = l.gate_up(x2);
+        adapt(l, kGateUp, x2, gate_up);
+        auto inner = act_mul(gate_up, l.gelu_tanh);
+        m = l.down(inner);
+        adapt(l, kDown, inner, m);
+      }
       if (l.post_ffn_norm.defined()) m = rms_norm(m, l.post_ffn_norm, eps_, cast_);
       h = h + m;
     }
@@ -386,6 +531,173 @@ class DecodeStack {
   }
 
  private:
+  // Per-run buffers of the MoE layers (sized once for the step's batch, reused by every layer).
+  struct MoEScratch {
+    std::vector<std::pair<float, int64_t>> queue;  // one token's (score, expert), for top-k
+    std::vector<float> weights;                     // [B, top_k]
+    std::vector<int64_t> ids;                       // [B, top_k], when run() was given no routing_ids
+    std::vector<int64_t> counts, starts;            // [E]: assignments per expert, first row of each
+    std::vector<int64_t> row_token;                 // [B top_k]: the token of each gathered row
+    std::vector<float> row_weight;                  // [B top_k]: its weight
+  };
+
+  // SparseMoE.forward of x [B, hidden] (ffn_norm's output) without a capacity limit -> [B, hidden]
+  // in x's dtype. ids [B, top_k] and scores [B, E] (views into run()'s routing outputs, or
+  // undefined) receive the routing.
+  static torch::Tensor moe_mlp(const MoE& moe, const torch::Tensor& x, bool gelu, torch::Tensor ids,
+                               torch::Tensor scores, MoEScratch& s) {
+    const int64_t B = x.size(0), H = x.size(1), E = moe.experts(), K = moe.top_k;
+    // Router: float32 logits and scores, by the very operations route() runs.
+    const auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
+    const auto logits = at::linear(xf, moe.router);
+    if (scores.defined()) {
+      if (moe.sigmoid) at::sigmoid_out(scores, logits);
+      else at::_softmax_out(scores, logits, -1, false);
+    } else {
+      scores = moe.sigmoid ? at::sigmoid(logits) : at::_softmax(logits, -1, false);
+    }
+    const float* sc = scores.data_ptr<float>();
+    s.queue.resize(E), s.weights.resize(B * K);
+    int64_t* id = ids.defined() ? ids.data_ptr<int64_t>() : (s.ids.resize(B * K), s.ids.data());
+    for (int64_t t = 0; t < B; ++t) top_k(sc + t * E, E, K, s.queue, s.weights.data() + t * K, id + t * K);
+    if (moe.norm_topk_prob) normalize_top_k(s.weights.data(), B, K);
+
+    // Assignments grouped by expert (ascending), each expert's tokens in ascending order; the
+    // rows gathered in that order, as SparseMoE.run_experts' stable argsort orders them.
+    s.counts.assign(E, 0), s.starts.resize(E);
+    for (int64_t i = 0; i < B * K; ++i) ++s.counts[id[i]];
+    for (int64_t e = 0, start = 0; e < E; start += s.counts[e++]) s.starts[e] = start;
+    s.row_token.resize(B * K), s.row_weight.resize(B * K);
+    auto gathered = torch::empty({B * K, H}, x.options());
+    const auto row_bytes = H * x.element_size();
+    TORCH_CHECK(x.is_contiguous(), "DecodeStack: the MoE input must be contiguous");
+    const char* src = static_cast<const char*>(x.data_ptr());
+    char* dst = static_cast<char*>(gathered.data_ptr());
+    for (int64_t t = 0; t < B; ++t) {
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t row = s.starts[id[t * K + j]]++;
+        s.row_token[row] = t, s.row_weight[row] = s.weights[t * K + j];
+        std::memcpy(dst + row * row_bytes, src + t * row_bytes, row_bytes);
+      }
+    }
+
+    // Each active expert once over its rows; out[token] += float(y[row]) * weight, float32.
+    auto out = torch::zeros({B, H}, x.options().dtype(torch::kFloat32));
+    float* acc = out.data_ptr<float>();
+    for (int64_t e = 0, start = 0; e < E; start += s.counts[e++]) {
+      const int64_t n = s.counts[e];
+      if (!n) continue;
+      const auto y = moe.down[e](act_mul(moe.gate_up[e](gathered.narrow(0, start, n)), gelu));
+      TM_DISPATCH_FLOAT(y.scalar_type(), T, [&] {
+        const T* yp = y.data_ptr<T>();
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t row = start + r;
+          add_scaled_row(acc + s.row_token[row] * H, yp + r * y.stride(0), s.row_weight[row], H);
+        }
+      });
+    }
+
+    // The shared expert (gated), then the one rounding to the model dtype.
+    torch::Tensor shared, gate;
+    if (moe.shared_gate_up.weight.defined()) {
+      shared = moe.shared_down(act_mul(moe.shared_gate_up(x), gelu));
+      if (moe.shared_gate.defined()) gate = at::sigmoid(at::linear(xf, moe.shared_gate));
+    }
+    if (x.scalar_type() == torch::kFloat32 && !shared.defined()) return out;
+    auto result = x.scalar_type() == torch::kFloat32 ? out : torch::empty({B, H}, x.options());
+    TM_DISPATCH_FLOAT(x.scalar_type(), T, [&] {
+      T* res = result.data_ptr<T>();
+      if (!shared.defined()) {
+        for (int64_t t = 0; t < B; ++t)
+          finish_row(acc + t * H, static_cast<const T*>(nullptr), 1.f, false, res + t * H, H);
+        return;
+      }
+      const T* sh = shared.data_ptr<T>();
+      const float* g = gate.defined() ? gate.data_ptr<float>() : nullptr;
+      for (int64_t t = 0; t < B; ++t)
+        finish_row(acc + t * H, sh + t * shared.stride(0), g ? g[t] : 1.f, g != nullptr, res + t * H, H);
+    });
+    return result;
+  }
+
+  // The k largest of E scores (scores and expert ids, largest first; NaN above all), selected as
+  // torch.topk does on CPU (a partial sort when k * 64 <= E, else nth_element, then sorted), so
+  // that ties come out in the same order.
+  static void top_k(const float* scores, int64_t E, int64_t k, std::vector<std::pair<float, int64_t>>& queue,
+                    float* weights, int64_t* ids) {
+    for (int64_t e = 0; e < E; ++e) queue[e] = {scores[e], e};
+    const auto before = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+    };
+    if (k * 64 <= E) {
+      std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), before);
+    } else {
+      std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), before);
+      std::sort(queue.begin(), queue.begin() + k - 1, before);
+    }
+    for (int64_t j = 0; j < k; ++j) weights[j] = queue[j].first, ids[j] = queue[j].second;
+  }
+
+  // weights [B, k] /= their row sums, rounded as weights / weights.sum(-1, keepdim=True): a row of
+  // at most 4 is summed left to right by PyTorch's CPU sum (whatever its vector width); a longer one
+  // is summed by at::sum itself.
+  static void normalize_top_k(float* weights, int64_t B, int64_t k) {
+    torch::Tensor sums;
+    if (k > 4) sums = at::sum(torch::from_blob(weights, {B, k}, torch::kFloat32), -1);
+    for (int64_t t = 0; t < B; ++t) {
+      float* w = weights + t * k;
+      float total;
+      if (k > 4) {
+        total = sums.data_ptr<float>()[t];
+      } else {
+        total = 0.f;
+        for (int64_t j = 0; j < k; ++j) total = exact_add(total, w[j]);
+      }
+      for (int64_t j = 0; j < k; ++j) w[j] = exact_div(w[j], total);
+    }
+  }
+
+  // acc[c] = acc[c] + float(y[c]) * w for c < H: a product, then a sum, each rounded (no fused
+  // multiply-add), as SparseMoE.run_experts' y.float() * w and index_add_ round them.
+  template <typename T>
+  static void add_scaled_row(float* acc, const T* y, float w, int64_t H) {
+#if defined(__AVX512F__)
+    const __m512 wv = _mm512_set1_ps(w);
+    for (int64_t c = 0; c < H; c += 16) {
+      const __mmask16 m = H - c >= 16 ? 0xffff : static_cast<__mmask16>((1u << (H - c)) - 1);
+      const __m512 p = _mm512_mul_round_ps(load16(y + c, m), wv, kNearest);
+      store16(acc + c, _mm512_add_round_ps(load16(acc + c, m), p, kNearest), m);
+    }
+#else
+    for (int64_t c = 0; c < H; ++c) acc[c] = exact_add(acc[c], exact_mul(to_f(y[c]), w));
+#endif
+  }
+
+  // res[c] = T(acc[c] + g * float(shared[c])) (gated), T(acc[c] + float(shared[c])), or T(acc[c])
+  // without a shared expert (shared null); each operation rounded in float32.
+  template <typename T>
+  static void finish_row(const float* acc, const T* shared, float g, bool gated, T* res, int64_t H) {
+#if defined(__AVX512F__)
+    const __m512 gv = _mm512_set1_ps(g);
+    for (int64_t c = 0; c < H; c += 16) {
+      const __mmask16 m = H - c >= 16 ? 0xffff : static_cast<__mmask16>((1u << (H - c)) - 1);
+      __m512 v = load16(acc + c, m);
+      if (shared) {
+        __m512 sv = load16(shared + c, m);
+        if (gated) sv = _mm512_mul_round_ps(gv, sv, kNearest);
+        v = _mm512_add_round_ps(v, sv, kNearest);
+      }
+      store16(res + c, v, m);
+    }
+#else
+    for (int64_t c = 0; c < H; ++c) {
+      float v = acc[c];
+      if (shared) v = exact_add(v, gated ? exact_mul(g, to_f(shared[c])) : to_f(shared[c]));
+      res[c] = round_to<T>(v);
+    }
+#endif
+  }
+
   // As PagedLayer.write: index_copy_ into the slot view, or the quantized write.
   static void write_kv(const Layer& l, const torch::Tensor& slots, const torch::Tensor& k, const torch::Tensor& v) {
     if (!l.key_scales.defined()) {
@@ -397,9 +709,17 @@ class DecodeStack {
     write_quantized_kv(v, slots, l.values.flatten(0, 1), l.value_scales.flatten(0, 1));
   }
 
+  struct Watched {
+    torch::Tensor tensor;
+    int64_t version;
+    const void* data;
+    std::vector<int64_t> sizes;
+  };
+
   double eps_;
   bool cast_;
   std::vector<Layer> layers_;
+  std::vector<Watched> watched_;
   torch::Tensor empty_ = torch::empty({0});
 };
 
@@ -444,11 +764,20 @@ void bind_decoder(pybind11::module& m) {
       .def("add_layer", &DecodeStack::add_layer, py::kw_only(), py::arg("norms"), py::arg("qk_norms"),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("scale"), py::arg("gelu_tanh"), py::arg("rope"), py::arg("plan"),
-           py::arg("cache"))
+           py::arg("cache"), "a decoder layer; gate_up and down None: its MLP is the add_moe that follows")
+      .def("add_moe", &DecodeStack::add_moe, py::kw_only(), py::arg("router"), py::arg("top_k"),
+           py::arg("norm_topk_prob"), py::arg("sigmoid"), py::arg("gate_up"), py::arg("down"),
+           py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+           py::arg("shared_gate") = py::none(),
+           "the last layer's MLP as a mixture of experts (tokenmill.models.moe.SparseMoE, no-drop routing)")
       .def("set_lora", &DecodeStack::set_lora, py::kw_only(), py::arg("layer"), py::arg("module"), py::arg("A"),
            py::arg("B"), py::arg("part_starts"), py::arg("A_scale") = py::none(), py::arg("B_scale") = py::none(),
            "the LoRA stacks of module 0..3 (qkv, o, gate_up, down) of a layer, applied by run(lora_slots=...)")
       .def("clear_lora", &DecodeStack::clear_lora, "forget every set_lora")
+      .def("watch", &DecodeStack::watch, py::arg("tensors"),
+           "tensors whose change (in place, or their .data replaced) makes the stack stale")
+      .def("unchanged", &DecodeStack::unchanged, "whether every watched tensor is as it was when watched")
       .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>(), py::arg("h"), py::arg("ropes"),
-           py::arg("plans"), py::arg("lora_slots") = py::none());
+           py::arg("plans"), py::arg("lora_slots") = py::none(), py::kw_only(), py::arg("routing_ids") = py::none(),
+           py::arg("routing_scores") = py::none());
 }

@@ -106,3 +106,17 @@ def test_upcycle_end_to_end_writes_a_mixtral_checkpoint_and_a_report(dense, tmp_
     with torch.no_grad():
         expected = hf(torch.tensor([IDS])).logits[0]
     assert (prompt_logits(ours.model, IDS) - expected).abs().max().item() <= 1e-3
+
+
+def test_a_finished_upcycle_resumes_without_training_again(dense, tmp_path, monkeypatch):
+    config = UpcycleConfig(experts=4, top_k=2, baseline=False, distill={
+        "train": {"steps": 2, "warmup_steps": 1}, "batch_size": 1, "seq_len": 16, "eval_tokens": 128})
+    first = upcycle(dense, config, tmp_path / "out", progress=False)
+    import tokenmill.upcycling.upcycle as module
+
+    monkeypatch.setattr(module, "distill", lambda *a, **k: pytest.fail("trained again"))
+    again = upcycle(dense, config, tmp_path / "out", progress=False)
+    assert again.report["perplexity"] == first.report["perplexity"]
+    # the first report's routing ran on the bfloat16 student as saved, the second on it read back in float32
+    flat = [x for row in again.report["routing"]["load"] for x in row]
+    assert flat == pytest.approx([x for row in first.report["routing"]["load"] for x in row], abs=0.05)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tokenmill.config import ModelConfig, MoESpec
 from tokenmill.device import resolve_device
-from tokenmill.distillation.distill import distill
+from tokenmill.distillation.distill import LOG_FILE, distill
 from tokenmill.errors import InvalidParameterError
 from tokenmill.eval.corpus import fetch_corpus, read_tokens
 from tokenmill.eval.perplexity import perplexity
@@ -145,13 +145,18 @@ def upcycle(dense: LoadedModel, config: UpcycleConfig, out_dir: str | os.PathLik
     """Grow, train and judge an MoE model from ``dense`` (float32); everything goes to ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    moe = upcycled_model(dense, config)
-    balance = BalanceLoss(moe.model, config.balance_weight)
-    try:
-        run = distill(dense, moe, config.distill, out, progress, cache_dir=cache_dir, extra_loss=balance,
-                      extra_record={"upcycle": config.to_dict()})
-    finally:
-        balance.remove()
+    cache = Path(cache_dir) if cache_dir else None
+
+    def train_moe() -> _Run:
+        moe = upcycled_model(dense, config)
+        balance = BalanceLoss(moe.model, config.balance_weight)
+        try:
+            return _Run.of(distill(dense, moe, config.distill, out, progress, cache_dir=cache_dir, extra_loss=balance,
+                                   extra_record={"upcycle": config.to_dict()}))
+        finally:
+            balance.remove()
+
+    run = _finished(out, dense, cache) or train_moe()
     report: dict = {"config": config.to_dict(), "dense": dense.source.name,
                     "perplexity": {"dense": run.perplexity["teacher"], "upcycled_before": run.perplexity["student_before"],
                                    "upcycled": run.perplexity["student_after"]},
@@ -159,9 +164,9 @@ def upcycle(dense: LoadedModel, config: UpcycleConfig, out_dir: str | os.PathLik
                                    "upcycled_active": _active(run.student.model)},
                     "tokens_seen": run.tokens_seen, "wall_seconds": {"upcycled": run.wall_seconds}}
     if config.baseline:
-        baseline = distill(dense, LoadedModel(copy.deepcopy(dense.model), dense.config, dense.tokenizer,
-                                              dense.source), config.distill, out / "dense-baseline", progress,
-                           cache_dir=cache_dir)
+        baseline = _finished(out / "dense-baseline", dense, cache) or _Run.of(distill(
+            dense, LoadedModel(copy.deepcopy(dense.model), dense.config, dense.tokenizer, dense.source),
+            config.distill, out / "dense-baseline", progress, cache_dir=cache_dir))
         report["perplexity"]["dense_trained"] = baseline.perplexity["student_after"]
         report["wall_seconds"]["dense_trained"] = baseline.wall_seconds
     held_out = read_tokens(dense.tokenizer, fetch_corpus(Path(cache_dir) if cache_dir else None),
@@ -172,6 +177,33 @@ def upcycle(dense: LoadedModel, config: UpcycleConfig, out_dir: str | os.PathLik
     plot = plot_expert_load(report["routing"]["load"], out / PLOT_FILE,
                             f"upcycled {dense.source.name}: share of routed tokens (even: {1 / config.experts:.3f})")
     return UpcycleResult(run.student, run.saved, report, plot)
+
+
+@dataclass
+class _Run:
+    """What upcycle needs of a distillation run: one just trained, or one a previous call finished."""
+
+    student: LoadedModel
+    saved: Path
+    perplexity: dict
+    tokens_seen: int
+    wall_seconds: float
+
+    @classmethod
+    def of(cls, result) -> _Run:
+        return cls(result.student, result.saved, result.perplexity, result.tokens_seen, result.wall_seconds)
+
+
+def _finished(out: Path, dense: LoadedModel, cache: Path | None) -> _Run | None:
+    """The run a previous call completed in ``out`` (its student saved and its log.json written):
+    an interrupted upcycle resumes after the phases it finished, reading the saved student rather
+    than training again or loading the optimizer's checkpoint."""
+    log, saved = out / LOG_FILE, out / "student"
+    if not (log.is_file() and (saved / "config.json").is_file()):
+        return None
+    record = json.loads(log.read_text())
+    student = load_float32(saved, dense.model.embed.weight.device, cache or default_cache_dir())
+    return _Run(student, saved, record["perplexity"], record["tokens_seen"], record["wall_seconds"])
 
 
 def upcycle_model_arg(model: str | os.PathLike, config: UpcycleConfig, out_dir: str | os.PathLike,

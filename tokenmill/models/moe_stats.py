@@ -101,7 +101,8 @@ def plot_expert_load(load: list[list[float]], path: Path, title: str) -> Path | 
 
     fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(load[0]), 1.5 + 0.22 * len(load)))
     image = ax.imshow(load, aspect="auto", cmap="viridis", vmin=0)
-    ax.set(xlabel="expert", ylabel="MoE layer", title=title)
+    ax.set(xlabel="expert", ylabel="MoE layer")
+    ax.set_title(title, fontsize=8, wrap=True)
     fig.colorbar(image, ax=ax, label="share of routed tokens")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -44,6 +44,7 @@ HF_EXPERT_PARTS: dict[str, str] = {"w1": "gate", "w3": "up", "w2": "down", "gate
                                    "down_proj": "down", "gate_up_proj": "gate_up"}
 """One routed expert's projections: Mixtral's w1/w3/w2, the others' gate/up/down_proj; gate_up_proj
 is one expert's slice of transformers' fused 3-D layout (see :func:`split_stacked_experts`)."""
+_HF_LAYER_NAMES_LLAMA_MOE = {**HF_LAYER_NAMES_LLAMA, **HF_MOE_NAMES}
 HF_TOP: dict[str, str] = {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "lm_head"}
 
 _GGUF_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -65,7 +66,7 @@ def gguf_name(name: str) -> str | None:
 def hf_name(name: str, family: str) -> str | None:
     """Canonical name of an HF checkpoint tensor, or None when tokenmill does not use it."""
     name = name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
-    table = HF_LAYER_NAMES_GEMMA3 if family == "gemma3" else {**HF_LAYER_NAMES_LLAMA, **HF_MOE_NAMES}
+    table = HF_LAYER_NAMES_GEMMA3 if family == "gemma3" else _HF_LAYER_NAMES_LLAMA_MOE
     if m := _HF_EXPERT_RE.match(name):
         layer, expert, part = m.groups()
         return f"layers.{layer}.mlp.experts.{expert}.{HF_EXPERT_PARTS[part]}.weight" if part in HF_EXPERT_PARTS else None

@@ -39,9 +39,8 @@ QWEN_EXPERT_NAMES = ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down
 """Where a routed expert's projections go in HF's per-expert layout: Mixtral's, and the others'."""
 
 
-def _moe_hf_names(cfg: ModelConfig) -> dict[str, str]:
-    """Canonical -> HF names of an MoE layer's router and shared expert."""
-    mixtral = hf_config_dict(cfg)["model_type"] == "mixtral"
+def _moe_hf_names(mixtral: bool) -> dict[str, str]:
+    """Canonical -> HF names of an MoE layer's router and shared expert (Mixtral's or the others')."""
     out = {"mlp.router": "block_sparse_moe.gate" if mixtral else "mlp.gate"}
     out.update({ours: theirs for theirs, ours in HF_MOE_NAMES.items() if ours.startswith("mlp.shared")})
     return out
@@ -85,8 +84,11 @@ def hf_state_dict(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
     dtype = dtype or model.embed.weight.dtype
     table = HF_LAYER_NAMES_GEMMA3 if cfg.architecture == "gemma3" else HF_LAYER_NAMES_LLAMA
     to_hf = {ours: theirs for theirs, ours in table.items()}
+    experts = None  # an MoE model's (HF prefix, projection names) of its routed experts
     if cfg.moe is not None:
-        to_hf.update(_moe_hf_names(cfg))
+        mixtral = hf_config_dict(cfg)["model_type"] == "mixtral"
+        to_hf.update(_moe_hf_names(mixtral))
+        experts = MIXTRAL_EXPERT_NAMES if mixtral else QWEN_EXPERT_NAMES
     top = {ours: theirs for theirs, ours in HF_TOP.items()}
     out: dict[str, torch.Tensor] = {}
     for name, t in canonical_tensors(model).items():
@@ -101,10 +103,9 @@ def hf_state_dict(model: CausalLM, dtype: torch.dtype | None = None) -> dict[str
             out[f"{top[stem]}.{kind}"] = t
         elif m.group(2) in to_hf:
             out[f"model.layers.{m.group(1)}.{to_hf[m.group(2)]}.{m.group(3)}"] = t
-        elif (e := _EXPERT.match(m.group(2))) and cfg.moe is not None:
+        elif (e := _EXPERT.match(m.group(2))) and experts is not None:
             expert, proj = e.groups()
-            names = MIXTRAL_EXPERT_NAMES if hf_config_dict(cfg)["model_type"] == "mixtral" else QWEN_EXPERT_NAMES
-            out[f"model.layers.{m.group(1)}.{names[0]}.experts.{expert}.{names[1][proj]}.{m.group(3)}"] = t
+            out[f"model.layers.{m.group(1)}.{experts[0]}.experts.{expert}.{experts[1][proj]}.{m.group(3)}"] = t
         else:
             raise ModelFormatError(f"no HF name for {name}")
     return {name: t.to(dtype).contiguous() for name, t in out.items()}

@@ -131,7 +131,7 @@ class ServerMetrics:
                 self.spec_per_pos.labels(m, str(j)).inc(kept - (previous[j] if j < len(previous) else 0))
             self.spec_rate.labels(m).set(snap.spec_accepted_tokens / max(snap.spec_draft_tokens, 1))
             self.spec_length.labels(m).set(1 + snap.spec_accepted_tokens / snap.spec_drafts)
-        if snap.moe is not None:
+        if snap.moe is not None and snap.moe is not last.moe:  # the totals object changes only when a step routes
             self._observe_moe(snap.moe, last.moe)
         self._last = snap
 

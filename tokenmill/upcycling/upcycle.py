@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -64,8 +65,6 @@ def upcycled_config(cfg: ModelConfig, config: UpcycleConfig) -> ModelConfig:
         width //= config.experts
     spec = MoESpec(num_experts=config.experts, top_k=config.top_k, expert_intermediate_size=width,
                    norm_topk_prob=True)
-    import dataclasses
-
     return dataclasses.replace(cfg, intermediate_size=width, moe=spec)
 
 

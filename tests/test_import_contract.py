@@ -38,7 +38,9 @@ LAYERS: list[set[str]] = [
     {"tokenmill.loader"},                          # the facade: any model argument to a loaded model
     {"tokenmill.llm"},                             # the offline API
     {"tokenmill.spec_heads"},                      # training speculative heads on the model's own text
+    {"tokenmill.routing"},                         # model routing's learned router (features, training)
     {"tokenmill.server", "tokenmill.benchmark"},
+    {"tokenmill.costplan"},                        # cost planning over the offline benchmark
     {"tokenmill.commands"},                        # one module per CLI command family
     {"tokenmill.cli"},
     {"tokenmill", "tokenmill.__main__"},

@@ -20,6 +20,7 @@ from tokenmill.commands.eval import add_eval_parser, cmd_eval
 from tokenmill.commands.lora import add_lora_parser, cmd_lora
 from tokenmill.commands.prune import add_prune_parser, cmd_prune
 from tokenmill.commands.qat import add_qat_parser, cmd_qat
+from tokenmill.commands.route import add_route_parser, cmd_route
 from tokenmill.commands.spec import add_spec_parser, cmd_spec
 from tokenmill.commands.quantize import add_quantize_parser, cmd_quantize
 
@@ -63,19 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_upcycle_parser(sub)
     add_lora_parser(sub)
     add_spec_parser(sub)
+    add_route_parser(sub)
     add_eval_parser(sub)
     return parser
 
 
 def _serve_parser(sub) -> None:
-    from tokenmill.server.config import ServerConfig
+    from tokenmill.server.config import CostConfig, ServerConfig
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                        help="model to serve (same as --model; default: smollm2-135m-instruct)")
-    add_option_group(serve, LoadConfig)
+    serve.add_argument("--model", "-m", action="append", default=[], metavar="[NAME=]SOURCE",
+                       help="model to serve: a known name, GGUF file or directory; NAME=SOURCE serves it as NAME. "
+                            "Repeat to serve several (one KV budget, --kv-cache-memory, split among them)")
+    add_option_group(serve, LoadConfig, exclude=("model",))
     add_engine_options(serve)
     add_option_group(serve, ServerConfig)
+    add_option_group(serve, CostConfig)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -86,14 +92,19 @@ def _sampling_params(args: argparse.Namespace):
                           seed=args.seed, stop=args.stop)
 
 
-def _llm(args: argparse.Namespace, **overrides):
-    """LLM(...) from the parsed load and engine options."""
-    from tokenmill.llm import LLM
+def _llm_options(args: argparse.Namespace) -> dict:
+    """The parsed load and engine options, as LLM keywords (``model`` aside)."""
     from tokenmill.options import option_fields
 
     names = [f.name for cls in (LoadConfig, *ENGINE_OPTIONS) for f in option_fields(cls) if hasattr(args, f.name)]
-    options = {name: getattr(args, name) for name in names if name != "model"}
-    return LLM(args.model, **{**options, **overrides})
+    return {name: getattr(args, name) for name in names if name != "model"}
+
+
+def _llm(args: argparse.Namespace, **overrides):
+    """LLM(...) from the parsed load and engine options."""
+    from tokenmill.llm import LLM
+
+    return LLM(args.model, **{**_llm_options(args), **overrides})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -134,21 +145,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from tokenmill.options import from_namespace
-    from tokenmill.server.config import ServerConfig
+    from tokenmill.server.config import CostConfig, ServerConfig
+    from tokenmill.server.model_pool import ModelLoader, ModelSpec
     from tokenmill.server.serve import serve
 
-    if args.model_pos and args.model and args.model_pos != args.model:
-        raise TokenmillError(f"two models given: {args.model_pos!r} and --model {args.model!r}")
-    config = from_namespace(ServerConfig, args)
+    specs = [ModelSpec.parse(text) for text in ([args.model_pos] if args.model_pos else []) + args.model]
+    if not specs:
+        specs = [ModelSpec(None, LoadConfig().model)]
+    names = [spec.name for spec in specs if spec.name]
+    if len(set(names)) != len(names):
+        raise TokenmillError(f"two models share a name: {', '.join(names)}")
+    config, cost = from_namespace(ServerConfig, args), from_namespace(CostConfig, args)
+    if len(specs) > 1 and config.served_model_name:
+        raise TokenmillError("--served-model-name names one model; with several, give each as --model NAME=SOURCE")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args.model = args.model_pos or args.model
-    serve(_llm(args), config)
+    loader = ModelLoader(_llm_options(args), config.spare_kv_cache_memory)
+    models, seconds = {}, {}
+    for spec in specs:
+        llm, took = loader.load(spec.source, loader.share(len(specs)))
+        name = spec.name or (config.served_model_name if len(specs) == 1 else None) or llm.model_name
+        if name in models:
+            raise TokenmillError(f"two models are named {name!r}: name them with --model NAME=SOURCE")
+        models[name], seconds[name] = llm, took
+    serve(models, config, cost, loader, seconds)
     return 0
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve,
             "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat, "prune": cmd_prune, "distill": cmd_distill,
-            "upcycle": cmd_upcycle, "spec": cmd_spec, "lora": cmd_lora}
+            "upcycle": cmd_upcycle, "spec": cmd_spec, "route": cmd_route, "lora": cmd_lora}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

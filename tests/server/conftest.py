@@ -20,22 +20,27 @@ import uvicorn
 from tests.model_utils import save_byte_tokenizer
 from tokenmill import LLM
 from tokenmill.server.app import build_app, create_state
-from tokenmill.server.config import ServerConfig
+from tokenmill.server.config import CostConfig, ServerConfig
 from tokenmill.server.serve import uvicorn_config
 
 MODEL = "tiny-llama"
 
 
-def build_tiny_checkpoint(path) -> None:
+def build_tiny_checkpoint(path, seed: int = 0, tied: bool = True) -> None:
+    """Embeddings scaled up so that greedy choices are no coin flips; ``tied``: the LM head is the
+    embedding (such a model repeats its prompt's last byte), else a head of its own (another
+    model, with other answers)."""
     import transformers
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=True, eos_token_id=256, bos_token_id=None)
+                                      tie_word_embeddings=tied, eos_token_id=256, bos_token_id=None)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # peaked logits, so that greedy choices are not coin flips
         model.model.embed_tokens.weight.mul_(25)
+        if not tied:
+            model.lm_head.weight.mul_(25)
     model.save_pretrained(path)
     save_byte_tokenizer(path)
 
@@ -55,8 +60,9 @@ def tiny_llm(tiny_dir) -> LLM:
 
 
 class LiveServer:
-    def __init__(self, llm: LLM, config: ServerConfig) -> None:
-        self.state = create_state(llm, config)
+    def __init__(self, llm: LLM | dict[str, LLM], config: ServerConfig, cost: CostConfig | None = None,
+                 loader=None) -> None:
+        self.state = create_state(llm, config, cost, loader)
         self.app = build_app(self.state)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -87,9 +93,9 @@ class LiveServer:
         self.thread.join(15)
         self.sock.close()
 
-    def metrics(self) -> dict[str, float]:
-        """Unlabelled-by-tenant samples of /metrics, as {'name{labels}': value}."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        """Samples of /metrics, as {'name{labels}': value} (``headers``: an admin key, when keys are on)."""
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
         out = {}
         for line in text.splitlines():
             match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
@@ -97,28 +103,33 @@ class LiveServer:
                 out[match.group(1)] = float(match.group(2))
         return out
 
-    def wait_idle(self, timeout: float = 20.0) -> None:
+    def wait_idle(self, timeout: float = 20.0, headers: dict | None = None) -> None:
         """Until nothing runs or waits and every KV block is free (as /metrics and the engine say)."""
         deadline = time.monotonic() + timeout
         while True:
-            m = self.metrics()
-            label = f'{{model_name="{self.state.model_name}"}}'
-            idle = (m[f"tokenmill:num_requests_running{label}"] == 0
-                    and m[f"tokenmill:num_requests_waiting{label}"] == 0
-                    and m[f"tokenmill:kv_cache_used_blocks{label}"] == 0
-                    and self.state.admission.in_engine == 0 and self.state.admission.num_queued == 0)
+            m = self.metrics(headers)
+            idle = True
+            for name, served in self.state.models.items():
+                label = f'{{model_name="{name}"}}'
+                idle = idle and (m[f"tokenmill:num_requests_running{label}"] == 0
+                                 and m[f"tokenmill:num_requests_waiting{label}"] == 0
+                                 and m[f"tokenmill:kv_cache_used_blocks{label}"] == 0
+                                 and served.admission.in_engine == 0 and served.admission.num_queued == 0)
             if idle:
-                engine = self.state.engine.engine
-                assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
+                for served in self.state.models.values():
+                    assert served.engine.num_used_blocks == 0 and not served.engine.has_unfinished_requests()
                 return
             assert time.monotonic() < deadline, f"server not idle: {m}"
             time.sleep(0.05)
 
 
 @contextlib.contextmanager
-def live_server(llm: LLM, **config):
-    config.setdefault("served_model_name", MODEL)
-    with LiveServer(llm, ServerConfig(**config)) as server:
+def live_server(llm: LLM | dict[str, LLM], cost: CostConfig | None = None, loader=None, **config):
+    """``llm``: one model (served as ``tiny-llama``) or several by name; ``cost``: prices and
+    objectives; ``loader``: a ModelLoader for POST /admin/models."""
+    if isinstance(llm, LLM):
+        config.setdefault("served_model_name", MODEL)
+    with LiveServer(llm, ServerConfig(**config), cost, loader) as server:
         yield server
 
 

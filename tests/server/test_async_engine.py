@@ -34,20 +34,20 @@ def run(engine: AsyncEngine, scenario) -> None:
             engine.stop()
 
     asyncio.run(main())
-    assert engine.engine.num_used_blocks == 0 and not engine.engine.has_unfinished_requests()
+    assert engine.engines["m"].num_used_blocks == 0 and not engine.engines["m"].has_unfinished_requests()
 
 
 def test_bad_request_and_deadline_do_not_stop_the_loop(tiny_llm) -> None:
     snapshots = []
-    engine = AsyncEngine(tiny_llm.engine, on_snapshot=snapshots.append)
+    engine = AsyncEngine({"m": tiny_llm.engine}, on_snapshot=lambda name, snap: snapshots.append(snap))
     far = time.monotonic() + 60
 
     async def scenario() -> None:
         bad, good, late = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
-        engine.add("bad", [1, 2, 10**6], GREEDY, bad, far)
-        engine.add("late", [5, 6, 7], SamplingParams(max_tokens=240, ignore_eos=True), late,
+        engine.add("m", "bad", [1, 2, 10**6], GREEDY, bad, far)
+        engine.add("m", "late", [5, 6, 7], SamplingParams(max_tokens=240, ignore_eos=True), late,
                    time.monotonic() + 0.02)
-        engine.add("good", [1, 2, 3], GREEDY, good, far)
+        engine.add("m", "good", [1, 2, 3], GREEDY, good, far)
         failed, _ = await last_update(bad)
         assert failed.error == "invalid" and "vocabulary" in failed.message
         done, output = await last_update(good)
@@ -61,7 +61,7 @@ def test_bad_request_and_deadline_do_not_stop_the_loop(tiny_llm) -> None:
 
 
 def test_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_llm, monkeypatch) -> None:
-    engine = AsyncEngine(tiny_llm.engine)
+    engine = AsyncEngine({"m": tiny_llm.engine})
     far = time.monotonic() + 60
     real_step = tiny_llm.engine.step
     calls = {"n": 0}
@@ -76,40 +76,40 @@ def test_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_llm, monkeypa
 
     async def scenario() -> None:
         first, second = asyncio.Queue(), asyncio.Queue()
-        engine.add("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), first, far)
+        engine.add("m", "a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), first, far)
         failed, _ = await last_update(first)
         assert failed.error == "engine" and "injected failure" in failed.message
-        engine.add("b", [1, 2, 3], GREEDY, second, far)
+        engine.add("m", "b", [1, 2, 3], GREEDY, second, far)
         assert (await last_update(second))[0].error is None
 
     run(engine, scenario)
 
 
 def test_abort_frees_blocks_before_the_next_step(tiny_llm) -> None:
-    engine = AsyncEngine(tiny_llm.engine)
+    engine = AsyncEngine({"m": tiny_llm.engine})
 
     async def scenario() -> None:
         queue = asyncio.Queue()
-        engine.add("x", list(range(1, 100)), SamplingParams(max_tokens=150, ignore_eos=True), queue,
+        engine.add("m", "x", list(range(1, 100)), SamplingParams(max_tokens=150, ignore_eos=True), queue,
                    time.monotonic() + 60)
         await asyncio.wait_for(queue.get(), 30)  # it is running and holds blocks
         engine.abort("x")
         for _ in range(200):
-            if engine.snapshot.num_used_blocks == 0:
+            if engine.snapshots["m"].num_used_blocks == 0:
                 break
             await asyncio.sleep(0.005)
-        assert engine.snapshot.num_used_blocks == 0
+        assert engine.snapshots["m"].num_used_blocks == 0
 
     run(engine, scenario)
 
 
 def test_n_samples_arrive_together(tiny_llm) -> None:
     n = 2
-    engine = AsyncEngine(tiny_llm.engine)
+    engine = AsyncEngine({"m": tiny_llm.engine})
 
     async def scenario() -> None:
         queue = asyncio.Queue()
-        engine.add("n", [1, 2, 3], SamplingParams(max_tokens=4, n=n, seed=3), queue, time.monotonic() + 60)
+        engine.add("m", "n", [1, 2, 3], SamplingParams(max_tokens=4, n=n, seed=3), queue, time.monotonic() + 60)
         _, output = await last_update(queue)
         assert [o.index for o in output.outputs] == list(range(n)) and all(o.token_ids for o in output.outputs)
 
@@ -122,7 +122,7 @@ def test_run_here_steps_in_the_calling_thread_until_stop(tiny_llm) -> None:
     served by the caller's loop, start() is then a no-op and stop() ends run_here()."""
     import threading
 
-    engine = AsyncEngine(tiny_llm.engine)
+    engine = AsyncEngine({"m": tiny_llm.engine})
     stepping_threads: set[str] = set()
     step = tiny_llm.engine.step
 
@@ -137,7 +137,7 @@ def test_run_here_steps_in_the_calling_thread_until_stop(tiny_llm) -> None:
         async def main() -> None:
             engine.start()  # what the app's lifespan does: nothing here
             queue: asyncio.Queue = asyncio.Queue()
-            engine.add("here-1", [5, 6, 7], GREEDY, queue, time.monotonic() + 30)
+            engine.add("m", "here-1", [5, 6, 7], GREEDY, queue, time.monotonic() + 30)
             update, output = await last_update(queue)
             assert update.error is None
             results.append(output)

@@ -69,7 +69,7 @@ def test_non_streaming_clients_that_hang_up_are_aborted(wide_llm) -> None:
                                                      "temperature": 0, "ignore_eos": True}))
             socks.append(sock)
         deadline = time.monotonic() + 10
-        while server.state.engine.snapshot.num_running < 5:  # all five are generating
+        while server.state.engine.snapshots[MODEL].num_running < 5:  # all five are generating
             assert time.monotonic() < deadline
             time.sleep(0.005)
         for sock in socks:

@@ -42,7 +42,8 @@ def post(server, key: str | None, body: dict, path: str = "/v1/completions") -> 
 def wait_settled(server, timeout: float = 10.0) -> None:
     """Until no request holds an engine slot or a queue place (close() ran for every one)."""
     deadline = time.monotonic() + timeout
-    while server.state.admission.in_engine or server.state.admission.num_queued or server.state.in_flight:
+    admission = server.state.default_model.admission
+    while admission.in_engine or admission.num_queued or server.state.in_flight:
         assert time.monotonic() < deadline, "requests still in flight"
         time.sleep(0.02)
 

@@ -7,6 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine import EngineSnapshot
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.budgets import BudgetBook
+from tokenmill.server.cost import CostMeter
 from tokenmill.server.tenancy import Tenancy
 
 
@@ -15,19 +17,19 @@ def _samples(metrics: ServerMetrics) -> dict[str, float]:
 
 
 def test_drafted_and_accepted_tokens_are_counted_from_the_snapshots():
-    metrics = ServerMetrics("m", Tenancy())
-    metrics.observe_snapshot(EngineSnapshot(spec_draft_tokens=8, spec_accepted_tokens=5))
-    metrics.observe_snapshot(EngineSnapshot(spec_draft_tokens=12, spec_accepted_tokens=6))
+    metrics = ServerMetrics(Tenancy(), CostMeter(), BudgetBook([]))
+    metrics.observe_snapshot("m", EngineSnapshot(spec_draft_tokens=8, spec_accepted_tokens=5))
+    metrics.observe_snapshot("m", EngineSnapshot(spec_draft_tokens=12, spec_accepted_tokens=6))
     got = _samples(metrics)
     assert got["tokenmill:spec_decode_num_draft_tokens_total"] == 12
     assert got["tokenmill:spec_decode_num_accepted_tokens_total"] == 6
 
 
 def test_drafts_acceptance_per_position_rate_and_mean_length():
-    metrics = ServerMetrics("m", Tenancy())
-    metrics.observe_snapshot(EngineSnapshot(spec_draft_tokens=8, spec_accepted_tokens=5, spec_drafts=2,
+    metrics = ServerMetrics(Tenancy(), CostMeter(), BudgetBook([]))
+    metrics.observe_snapshot("m", EngineSnapshot(spec_draft_tokens=8, spec_accepted_tokens=5, spec_drafts=2,
                                             spec_accepted_per_position=(2, 2, 1, 0)))
-    metrics.observe_snapshot(EngineSnapshot(spec_draft_tokens=12, spec_accepted_tokens=6, spec_drafts=3,
+    metrics.observe_snapshot("m", EngineSnapshot(spec_draft_tokens=12, spec_accepted_tokens=6, spec_drafts=3,
                                             spec_accepted_per_position=(3, 2, 1, 0)))
     got = _samples(metrics)
     assert got["tokenmill:spec_decode_num_drafts_total"] == 3

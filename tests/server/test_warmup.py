@@ -74,7 +74,7 @@ def test_requests_are_refused_at_once_while_warming_up_then_served(tiny_llm, mon
         assert response.json()["usage"]["completion_tokens"] >= 1
         assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
     logged = [r.getMessage() for r in caplog.records if r.name == "tokenmill.server"]
-    assert any(m.startswith("warming up: kernels ") and "first step" in m for m in logged), logged
+    assert any(m.startswith(f"warming up {MODEL}: kernels ") and "first step" in m for m in logged), logged
 
 
 def test_the_live_server_fixture_waits_for_ready(tiny_llm, monkeypatch):

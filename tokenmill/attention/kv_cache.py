@@ -132,6 +132,11 @@ class PagedKVCache:
     def layer(self, index: int) -> PagedLayer:
         return self.layers[index]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every block of every group (and their scales when quantized)."""
+        return sum(t.numel() * t.element_size() for t in [*self.storage, *(self.scales or [])])
+
     def copy_blocks(self, group: int, pairs: list[tuple[int, int]]) -> None:
         """Copy block ``src`` to block ``dst`` for each ``(src, dst)``, in every layer of ``group``
         (all sources are read before any destination is written)."""

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.device import DTYPES
+from tokenmill.engine.work import matmul_params
 
 CPU_SIZES = {"bandwidth_bytes": 256 << 20, "matmul_n": 1024}
 CUDA_SIZES = {"bandwidth_bytes": 2 << 30, "matmul_n": 8192}
@@ -159,22 +160,14 @@ class ModelCost:
                 continue
             seen.add(t.data_ptr())
             weight_bytes += t.numel() * t.element_size()
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
-        moe, expert_bytes, routed = cfg.moe, 0, 0
-        matmul = cfg.vocab_size * cfg.hidden_size
+        expert_bytes, routed = 0, 0
         for i in range(cfg.num_layers):
-            if not cfg.is_moe_layer(i):
-                matmul += attention + 3 * cfg.hidden_size * cfg.intermediate_size
-                continue
-            # a token runs through top_k experts, the shared one and the router
-            matmul += attention + cfg.hidden_size * (3 * moe.top_k * moe.expert_intermediate_size
-                                                      + 3 * moe.shared_expert_intermediate_size + moe.num_experts)
-            experts = model.layers[i].mlp.experts
-            expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters())
-            routed += len(experts)
+            if cfg.is_moe_layer(i):
+                experts = model.layers[i].mlp.experts
+                expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters())
+                routed += len(experts)
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * embed.element_size()
-        return cls(weight_bytes, matmul, kv_bytes, expert_bytes, routed)
+        return cls(weight_bytes, matmul_params(cfg), kv_bytes, expert_bytes, routed)
 
     def bytes_read(self, kv_tokens: int, active_experts: int | None = None) -> int:
         """Weights and KV a step reads; ``active_experts``: of an MoE model, how many (layer,

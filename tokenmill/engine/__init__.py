@@ -11,6 +11,7 @@ from tokenmill.engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
     add_engine_options,
+    free_memory,
 )
 from tokenmill.engine.limits import PromptLimits
 from tokenmill.engine.llm_engine import LLMEngine
@@ -24,9 +25,11 @@ from tokenmill.engine.outputs import (
 )
 from tokenmill.engine.request import Request
 from tokenmill.engine.stats import EngineSnapshot, StepStats
+from tokenmill.engine.work import SequenceWork
 
 __all__ = [
     "ENGINE_OPTIONS", "CacheConfig", "CompletionOutput", "EngineConfig", "EngineSnapshot", "LLMEngine",
     "OutputAccumulator", "PromptLimits", "Request", "RequestDelta", "RequestOutput", "SampleDelta",
-    "SchedulerConfig", "SpeculativeConfig", "StepStats", "TokenLogprobs", "add_engine_options",
+    "SchedulerConfig", "SequenceWork", "SpeculativeConfig", "StepStats", "TokenLogprobs", "add_engine_options",
+    "free_memory",
 ]

@@ -35,6 +35,7 @@ from tokenmill.engine.spec.build import build_drafter
 from tokenmill.engine.spec.verify import verify
 from tokenmill.engine.stats import EngineSnapshot, StepStats
 from tokenmill.engine.stop_checker import check_stop, stream_safe_length
+from tokenmill.engine.work import SequenceWork, WorkModel
 from tokenmill.errors import InvalidParameterError
 from tokenmill.loading.detokenizer import IncrementalDetokenizer
 from tokenmill.lora.adapter import LoRAAdapter
@@ -70,6 +71,7 @@ class LLMEngine:
         self.moe_totals: MoEStepStats | None = None
         """An MoE model's routing since start (tokenmill.models.moe_stats), None before the first routed step."""
         self.sampler = Sampler(loaded.config.vocab_size, seed=config.seed)
+        self.work_model = WorkModel.of(loaded.config)
         self.drafter = build_drafter(config.speculative, loaded, draft, self.sampler,
                                      self.kv_capacity_tokens + config.scheduler.max_num_seqs
                                      * config.speculative.num_speculative_tokens, config.cache.block_size)
@@ -205,6 +207,11 @@ class LLMEngine:
             self.abort(self.WARM_UP_REQUEST_ID)
             self.stats = saved
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV pool (every block of every group)."""
+        return self.runner.cache.nbytes
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -251,6 +258,7 @@ class LLMEngine:
         for seq in plan.failed:
             self._fail(seq, changed)
         num_sampled = sum(s.completes for s in plan.scheduled)
+        work = self._work(plan.scheduled)
         spec_before = self._spec_totals()
         if plan.scheduled:
             self._run(plan.scheduled, changed)
@@ -269,8 +277,21 @@ class LLMEngine:
             len(running), self.scheduler.num_waiting, len(plan.scheduled), plan.num_batched_tokens,
             num_sampled, self.num_used_blocks,
             sum(s.num_computed_tokens for s in running), self.kv.usage, plan.prefix_hit_tokens,
-            len(plan.preempted), time.perf_counter() - start, drafted, kept, self._drain_moe()))
+            len(plan.preempted), time.perf_counter() - start, drafted, kept, self._drain_moe(), work))
         return [self._delta(request) for request in changed.values()]
+
+    def _work(self, scheduled: list[ScheduledSequence]) -> tuple[SequenceWork, ...]:
+        """The FLOPs each request's scheduled samples cause in this step (engine/work.py), read
+        before the step moves ``num_computed_tokens``."""
+        by_request: dict[str, SequenceWork] = {}
+        for item in scheduled:
+            seq = item.seq
+            work = by_request.get(seq.request_id)
+            if work is None:
+                work = by_request[seq.request_id] = SequenceWork(seq.request_id)
+            self.work_model.sequence(work, seq.num_computed_tokens, item.num_new_tokens, len(seq.prompt_token_ids),
+                                     seq.num_cached_tokens, (1 + item.num_draft) if item.completes else 0)
+        return tuple(by_request.values())
 
     def _run(self, scheduled: list[ScheduledSequence], changed: dict[str, Request]) -> None:
         for group, pairs in enumerate(self.kv.take_pending_copies()):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.engine.work import SequenceWork
 from tokenmill.models.moe_stats import MoEStepStats
 
 
@@ -31,6 +32,8 @@ class StepStats:
     """Of those, the ones kept."""
     moe: MoEStepStats | None = None
     """An MoE model's routing in the step: tokens per expert, dropped, router entropy."""
+    work: tuple[SequenceWork, ...] = ()
+    """FLOPs each scheduled request caused, by kind of token (engine/work.py): what a step's time is shared by."""
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
-"""The FastAPI app: ``build_app(state)``, and ``create_state(llm, config)`` to wire a loaded model.
+"""The FastAPI app: ``build_app(state)``, and ``create_state(models, config)`` to wire loaded models.
 
 ::
 
     HTTP ─► ServingMiddleware (draining: 503; API key: 401; body too large: 413, counted as it
             arrives; counts requests in flight; hands the app the body it read)
          ─► routers: completions, chat, models (+tokenize), lora (adapters at runtime), ops (health,
-            ready, metrics, admin)
-         ─► Generation (tenant limits, admission, AsyncEngine) ─► engine thread
+            ready, metrics, usage), admin (models at runtime, costs), dashboard
+         ─► routing (a routed name: rule, cascade, learned) ─► Generation (tenant limits, budget
+            hold, the model's admission queue, AsyncEngine) ─► engine thread, every model's steps
 """
 
 from __future__ import annotations
@@ -18,32 +19,52 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from tokenmill.llm import LLM
-from tokenmill.server import chat, completions, lora, models, ops
-from tokenmill.server.admission import AdmissionController
+from tokenmill.server import admin, chat, completions, lora, models, ops
 from tokenmill.server.async_engine import AsyncEngine
-from tokenmill.server.config import ServerConfig
+from tokenmill.server.budgets import BudgetBook
+from tokenmill.server.config import CostConfig, ServerConfig
+from tokenmill.server.cost import CostMeter
 from tokenmill.server.errors import APIError, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.state import TENANT_SCOPE_KEY, ServerState, authenticate
+from tokenmill.server.model_pool import ModelLoader
+from tokenmill.server.routing import load_routes
+from tokenmill.server.state import TENANT_SCOPE_KEY, ServedModel, ServerState, authenticate
 from tokenmill.server.tenancy import Tenancy
 
 EXEMPT_FROM_DRAIN = {"/health", "/ready", "/metrics"}
 
 
-def create_state(llm: LLM, config: ServerConfig) -> ServerState:
-    """Wire a loaded model to the server's parts; the engine thread starts with the app and warms
-    up first (``state.warming`` until then)."""
-    engine = llm.engine
-    name = config.served_model_name or llm.model_name
+def create_state(models: LLM | dict[str, LLM], config: ServerConfig, cost: CostConfig | None = None,
+                 loader: ModelLoader | None = None, load_seconds: dict[str, float] | None = None) -> ServerState:
+    """Wire loaded models to the server's parts: ``models`` by the names clients give (one LLM:
+    named ``served_model_name`` or its own name). The engine thread starts with the app and warms
+    every model up first (each is ``warming`` until then). ``loader``: what loads models at runtime
+    (POST /admin/models; None: off); ``load_seconds``: how long each startup model took to load
+    (its cold start, with its warm-up)."""
+    if isinstance(models, LLM):
+        models = {config.served_model_name or models.model_name: models}
+    cost = cost or CostConfig()
     for adapter, path in config.lora_module_paths():
-        llm.load_lora(adapter, path)
+        next(iter(models.values())).load_lora(adapter, path)
     tenancy = Tenancy.load(config.api_keys)
-    metrics = ServerMetrics(name, tenancy)
-    admission = AdmissionController(engine.config.scheduler.max_num_seqs, config.max_queued_requests,
-                                    config.max_queued_tokens, config.retry_after)
-    state = ServerState(config, AsyncEngine(engine, on_snapshot=metrics.observe_snapshot), llm.tokenizer, name,
-                        engine.limits, admission, tenancy, metrics)
-    state.engine.warm_up_first(lambda warming: setattr(state, "warming", warming))
+    meter = CostMeter(cost.price_per_hour, cost.model_price_map(), cost.cost_log)
+    budgets = BudgetBook(tenancy.tenants)
+    metrics = ServerMetrics(tenancy, meter, budgets)
+    served = {name: ServedModel.of(name, llm, config) for name, llm in models.items()}
+    for name, seconds in (load_seconds or {}).items():
+        served[name].cold_start = seconds
+    engine = AsyncEngine({name: m.engine for name, m in served.items()}, on_snapshot=metrics.observe_snapshot,
+                         meter=meter)
+    routes = load_routes(config.routes, list(served)) if config.routes else {}
+    state = ServerState(config, engine, served, tenancy, metrics, cost, meter, budgets, loader=loader, routes=routes)
+
+    def on_warming(name: str, warming: bool) -> None:
+        model = state.models[name]
+        model.warming = warming
+        if not warming:
+            model.cold_start = (model.cold_start or 0.0) + engine.warm_seconds.get(name, 0.0)
+            metrics.cold_start.labels(name).set(model.cold_start)
+    engine.warm_up_first(on_warming)
     return state
 
 
@@ -67,7 +88,7 @@ class ServingMiddleware:
         length = headers.get(b"content-length")
         has_body = (length is not None and length != b"0") or b"transfer-encoding" in headers
         if state.draining and scope["path"] not in EXEMPT_FROM_DRAIN:
-            state.metrics.reject("draining")
+            state.metrics.reject(state.default_model.name, "draining")
             await _send_error(send, APIError(503, "the server is shutting down; retry on another instance",
                                              code="shutting_down", retry_after=state.config.retry_after), has_body)
             return
@@ -158,7 +179,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tokenmill", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = state
-    routers = [module.router for module in (completions, chat, models, lora, ops)]
+    routers = [module.router for module in (completions, chat, models, lora, ops, admin)]
     for router in routers:
         app.include_router(router)
     install_error_handlers(app)

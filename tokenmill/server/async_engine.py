@@ -1,4 +1,4 @@
-"""AsyncEngine: an LLMEngine stepping in its own thread, streaming to asyncio handlers.
+"""AsyncEngine: the served models' LLMEngines stepping in one thread, streaming to asyncio handlers.
 
 ::
 
@@ -6,12 +6,19 @@
     ─────────────────────                         ─────────────
     add(...)   ──► commands (lock) ──notify──►    wake; apply adds / aborts
     abort(id)  ──►                                expire deadlines
-                                                  step() if anything is unfinished
+                                                  step() each model with unfinished work,
+                                                  one step each in turn
     queue.get() ◄── loop.call_soon_threadsafe ◄── one EngineUpdate per RequestDelta
                                                   engine.snapshot() for metrics; sleep on
                                                   the condition when idle (no busy spin)
 
-Only the engine thread touches the LLMEngine, through its public API (``tokenmill.engine``):
+One thread steps every model (several models in one server: ``tokenmill serve --model A=... --model
+B=...``): on 2 cores, two stepping threads would only fight over them (and over OpenMP's pools,
+below), and one timeline is what the cost meter (server/cost.py) shares out: each step's interval
+is charged to the requests it ran, waiting to ``idle``, loading a model at runtime to its own line.
+Models are added (loaded, warmed up) and removed between steps, in this thread.
+
+Only the engine thread touches an LLMEngine, through its public API (``tokenmill.engine``):
 ``add_request``, ``abort``, ``step`` (which hands out deltas: what each request gained) and
 ``snapshot``. A request whose ``add_request`` raises gets
 an error update (the loop goes on); a failing ``step`` fails the requests it held (they are
@@ -51,6 +58,7 @@ from tokenmill.errors import TokenmillError
 from tokenmill.kernels import dispatch
 from tokenmill.lora.manager import UnknownAdapterError
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.cost import IDLE, OVERHEAD, CostMeter, CostRecord, load_line
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -65,7 +73,8 @@ class EngineUpdate:
     finished: bool
     error: str | None = None
     """Why it ended without finishing: 'deadline', 'invalid' (bad input), 'model_not_found' (its LoRA
-    adapter was unloaded before the engine took it), 'engine' or 'shutdown'."""
+    adapter, or its model, was unloaded before the engine took it), 'model_unloaded' (its model was
+    unloaded while it ran), 'engine' or 'shutdown'."""
     message: str = ""
 
 
@@ -73,18 +82,29 @@ class EngineUpdate:
 class _Tracked:
     sink: Callable[[EngineUpdate], None]
     deadline: float
+    model: str
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_snapshot: Callable[[EngineSnapshot], None] | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engines: dict[str, LLMEngine],
+                 on_snapshot: Callable[[str, EngineSnapshot], None] | None = None,
+                 meter: CostMeter | None = None) -> None:
+        """``engines``: the served models by name; ``on_snapshot(name, snapshot)`` after every loop
+        iteration; ``meter``: where each step's time is charged (a meter at price 0 when None)."""
+        self.engines = dict(engines)
+        """Read by handlers (a model's LoRA manager, limits); changed only in the engine thread."""
         self.on_snapshot = on_snapshot
-        self.snapshot = engine.snapshot()
+        self.meter = meter if meter is not None else CostMeter()
+        self.snapshots = {name: engine.snapshot() for name, engine in self.engines.items()}
+        self.warm_seconds: dict[str, float] = {}
+        """Each model's warm-up time (kernels, one tiny generation)."""
+        self.warm_step_seconds: dict[str, float] = {}
+        """Each model's slowest warm-up step (a batch of one): the cost estimate before any measurement."""
         self._commands: list[Callable[[], None]] = []
         self._cond = threading.Condition()
         self._tracked: dict[str, _Tracked] = {}
         self._stopping = False
-        self._on_warming: Callable[[bool], None] | None = None
+        self._on_warming: Callable[[str, bool], None] | None = None
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._driven_here = False
         self._running = threading.Event()
@@ -92,21 +112,21 @@ class AsyncEngine:
 
     # ---- event-loop side ------------------------------------------------------------------------
     def start(self) -> None:
-        """Step the engine in a thread of its own; a no-op after :meth:`will_run_here`."""
+        """Step the engines in a thread of their own; a no-op after :meth:`will_run_here`."""
         if not self._driven_here:
             self._thread.start()
 
     def will_run_here(self) -> None:
-        """Announce that :meth:`run_here` will step the engine: from now on ``start()`` (the app's
+        """Announce that :meth:`run_here` will step the engines: from now on ``start()`` (the app's
         lifespan) does nothing. Call it before the app can start, so that no thread of its own
-        ever steps the engine beside ``run_here``."""
+        ever steps them beside ``run_here``."""
         if self._thread.is_alive():
             raise RuntimeError("the engine already steps in its own thread")
         self._driven_here = True
 
     def run_here(self) -> None:
-        """Step the engine in the calling thread until :meth:`stop` (``tokenmill serve`` calls it
-        from the main thread, where the model was loaded; see the module docstring), after
+        """Step the engines in the calling thread until :meth:`stop` (``tokenmill serve`` calls it
+        from the main thread, where the models were loaded; see the module docstring), after
         :meth:`will_run_here`. The app's lifespan ``stop()`` ends this call."""
         if not self._driven_here:
             raise RuntimeError("call will_run_here() before the app starts, then run_here()")
@@ -121,32 +141,38 @@ class AsyncEngine:
         elif self._thread.is_alive():
             self._thread.join(timeout)
 
-    def warm_up_first(self, on_warming: Callable[[bool], None]) -> None:
+    def warm_up_first(self, on_warming: Callable[[str, bool], None]) -> None:
         """Warm up in the engine thread before taking any command (call before :meth:`start`):
-        ``on_warming(True)`` is called now, ``on_warming(False)`` from the engine thread once the
-        kernels are built or loaded and one tiny generation ran (or the warm-up failed: logged)."""
+        ``on_warming(name, True)`` is called now for every model, ``on_warming(name, False)`` from
+        the engine thread once its kernels are built or loaded and one tiny generation ran (or the
+        warm-up failed: logged)."""
         self._on_warming = on_warming
-        on_warming(True)
+        for name in self.engines:
+            on_warming(name, True)
 
     @property
     def alive(self) -> bool:
         """Whether the engine loop runs (in whichever thread steps it)."""
         return self._running.is_set() and not self._done.is_set()
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
-            deadline: float, priority: int = 0, cache_salt: str | None = None, lora: str | None = None) -> None:
-        """Queue a request; its updates go to ``queue`` (put from the engine thread, thread-safely).
-        ``lora``: the name of the LoRA adapter it runs with."""
+    def add(self, model: str, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
+            deadline: float, priority: int = 0, cache_salt: str | None = None, lora: str | None = None,
+            record: CostRecord | None = None) -> None:
+        """Queue a request for ``model``; its updates go to ``queue`` (put from the engine thread,
+        thread-safely). ``lora``: the name of the LoRA adapter it runs with; ``record``: where its
+        cost is charged (opened when the engine takes it, closed when it leaves)."""
         loop = asyncio.get_running_loop()
 
         def sink(update: EngineUpdate) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, update)
 
-        self._submit(lambda: self._add(request_id, prompt_ids, params, priority, cache_salt, lora, deadline, sink))
+        self._submit(lambda: self._add(model, request_id, prompt_ids, params, priority, cache_salt, lora, deadline,
+                                       sink, record))
 
     async def call(self, fn: Callable[[], object]) -> object:
-        """Run ``fn`` in the engine thread between two steps (what touches the engine's state
-        outside a request: loading or unloading adapters) -> its result; its exception is raised here."""
+        """Run ``fn`` in the engine thread between two steps (what touches the engines' state
+        outside a request: loading or unloading adapters and models) -> its result; its exception
+        is raised here."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -165,6 +191,35 @@ class AsyncEngine:
         self._submit(command)
         return await future
 
+    async def attach(self, name: str, build: Callable[[], LLMEngine]) -> float:
+        """Build a model's engine in the engine thread (loading its weights: the other models wait
+        meanwhile), warm it up and serve it as ``name`` -> the seconds it took (its cold start),
+        charged to the meter's ``load:<name>`` line."""
+        def load() -> float:
+            start = time.perf_counter()
+            self.meter.charge_line(IDLE)
+            try:
+                engine = build()
+                self._warm_up(name, engine)
+            finally:
+                self.meter.charge_line(load_line(name))
+            self.engines = {**self.engines, name: engine}
+            self.snapshots[name] = engine.snapshot()
+            return time.perf_counter() - start
+        return await self.call(load)
+
+    async def detach(self, name: str) -> int:
+        """Stop serving ``name``: its unfinished requests end with 'model_unloaded' (their KV freed,
+        their costs closed) and its engine is dropped -> how many requests it ended."""
+        def unload() -> int:
+            ended = [rid for rid, t in self._tracked.items() if t.model == name]
+            for request_id in ended:
+                self._finish_with_error(request_id, "model_unloaded", f"the model {name!r} was unloaded")
+            self.engines = {n: e for n, e in self.engines.items() if n != name}
+            self.snapshots.pop(name, None)
+            return len(ended)
+        return await self.call(unload)
+
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))
 
@@ -181,98 +236,138 @@ class AsyncEngine:
         finally:
             self._done.set()
 
+    def _busy(self) -> bool:
+        return any(engine.has_unfinished_requests() for engine in self.engines.values())
+
     def _loop(self) -> None:
         if self._on_warming is not None:
-            self._warm_up()
+            for name, engine in list(self.engines.items()):
+                self._warm_up(name, engine)
+            self._publish_snapshots()
+            self._on_warming = None
+        self.meter.start()
         while True:
             with self._cond:
-                while not self._commands and not self.engine.has_unfinished_requests() and not self._stopping:
+                waited = False
+                while not self._commands and not self._busy() and not self._stopping:
+                    waited = True
                     self._cond.wait()
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
+            if waited:
+                self.meter.charge_line(IDLE)
             for command in commands:
                 command()
             if stopping:
                 self._fail_all("shutdown", "the server is shutting down")
-                self._publish_snapshot()
+                self._publish_snapshots()
                 return
             self._expire_deadlines()
-            if self.engine.has_unfinished_requests():
-                self._step()
-            elif self._tracked:  # cannot happen by the engine's contract; never leave a handler hanging
+            busy = False
+            for name, engine in list(self.engines.items()):
+                if engine.has_unfinished_requests():
+                    busy = True
+                    self._step(name, engine)
+            if not busy and self._tracked:  # cannot happen by the engine's contract; never leave a handler hanging
                 self._fail_all("engine", "the engine dropped the request")
-            self._publish_snapshot()
+            self._publish_snapshots()
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, name: str, engine: LLMEngine) -> None:
         start = time.perf_counter()
         try:
             kernels = "none on this device"
-            if self.engine.device.type == "cpu":
+            if engine.device.type == "cpu":
                 kernels = "tokenmill C++" if dispatch.cpu_ops() is not None else "PyTorch path (off or unavailable)"
             ready = time.perf_counter()
-            steps = self.engine.warm_up()
-            logger.info("warming up: kernels %s (%.2f s), first step %.3f s, %d steps, warm in %.2f s", kernels,
-                        ready - start, steps[0].seconds if steps else 0.0, len(steps), time.perf_counter() - start)
+            steps = engine.warm_up()
+            if steps:
+                self.warm_step_seconds[name] = max(step.seconds for step in steps)
+            logger.info("warming up %s: kernels %s (%.2f s), first step %.3f s, %d steps, warm in %.2f s", name,
+                        kernels, ready - start, steps[0].seconds if steps else 0.0, len(steps),
+                        time.perf_counter() - start)
         except Exception:
-            logger.exception("warm-up failed after %.2f s; serving anyway", time.perf_counter() - start)
+            logger.exception("warm-up failed for %s after %.2f s; serving anyway", name, time.perf_counter() - start)
         finally:
-            self._publish_snapshot()
-            on_warming, self._on_warming = self._on_warming, None
-            on_warming(False)
+            self.warm_seconds[name] = time.perf_counter() - start
+            if self._on_warming is not None:
+                self._on_warming(name, False)
 
-    def _add(self, request_id, prompt_ids, params, priority, cache_salt, lora, deadline, sink) -> None:
+    def _add(self, model, request_id, prompt_ids, params, priority, cache_salt, lora, deadline, sink, record) -> None:
+        engine = self.engines.get(model)
+        if engine is None:  # unloaded after the handler resolved the name
+            sink(EngineUpdate(request_id, None, True, error="model_not_found",
+                              message=f"the model {model!r} was unloaded"))
+            return
+        if record is not None:
+            self.meter.open(record)
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority,
-                                    cache_salt=cache_salt, lora=lora)
+            engine.add_request(prompt_ids, params, request_id=request_id, priority=priority,
+                               cache_salt=cache_salt, lora=lora)
         except UnknownAdapterError as exc:  # unloaded after the handler resolved the name
-            sink(EngineUpdate(request_id, None, True, error="model_not_found", message=str(exc)))
+            self._refuse(request_id, sink, "model_not_found", str(exc))
             return
         except TokenmillError as exc:
-            sink(EngineUpdate(request_id, None, True, error="invalid", message=str(exc)))
+            self._refuse(request_id, sink, "invalid", str(exc))
             return
         except Exception as exc:  # never let one request take the loop down
             logger.exception("add_request failed for %s", request_id)
-            sink(EngineUpdate(request_id, None, True, error="engine", message=f"{type(exc).__name__}: {exc}"))
+            self._refuse(request_id, sink, "engine", f"{type(exc).__name__}: {exc}")
             return
-        self._tracked[request_id] = _Tracked(sink, deadline)
+        self._tracked[request_id] = _Tracked(sink, deadline, model)
+
+    def _refuse(self, request_id: str, sink, error: str, message: str) -> None:
+        self.meter.close(request_id)
+        sink(EngineUpdate(request_id, None, True, error=error, message=message))
 
     def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-        self._tracked.pop(request_id, None)
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and tracked.model in self.engines:
+            self.engines[tracked.model].abort(request_id)
+        self.meter.close(request_id)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
         for request_id in [r for r, t in self._tracked.items() if t.deadline <= now]:
             self._finish_with_error(request_id, "deadline", "the request passed its deadline and was aborted")
 
-    def _fail_all(self, error: str, message: str) -> None:
-        for request_id in list(self._tracked):
+    def _fail_all(self, error: str, message: str, model: str | None = None) -> None:
+        for request_id in [r for r, t in self._tracked.items() if model is None or t.model == model]:
             self._finish_with_error(request_id, error, message)
 
     def _finish_with_error(self, request_id: str, error: str, message: str) -> None:
         tracked = self._tracked.pop(request_id)
-        self.engine.abort(request_id)
+        if tracked.model in self.engines:
+            self.engines[tracked.model].abort(request_id)
+        self.meter.close(request_id)
         tracked.sink(EngineUpdate(request_id, None, True, error=error, message=message))
 
-    def _step(self) -> None:
+    def _step(self, name: str, engine: LLMEngine) -> None:
         try:
-            deltas = self.engine.step()
+            deltas = engine.step()
         except Exception as exc:
-            logger.exception("engine step failed; failing the requests it held")
-            self._fail_all("engine", f"the engine failed: {type(exc).__name__}: {exc}")
+            logger.exception("engine step of %s failed; failing the requests it held", name)
+            self.meter.charge_line(OVERHEAD)
+            self._fail_all("engine", f"the engine failed: {type(exc).__name__}: {exc}", model=name)
             return
+        self.meter.charge_step(name, engine.stats[-1].work if engine.stats else ())
         for delta in deltas:
             tracked = self._tracked.get(delta.request_id)
             if tracked is None:
                 continue
+            record = self.meter.record(delta.request_id)
+            if record is not None:
+                record.cached_tokens = delta.num_cached_tokens
+                record.completion_tokens += delta.num_new_tokens
             if delta.finished:
                 del self._tracked[delta.request_id]
+                self.meter.close(delta.request_id)
             tracked.sink(EngineUpdate(delta.request_id, delta, delta.finished))
 
-    def _publish_snapshot(self) -> None:
-        self.snapshot = self.engine.snapshot()
-        if self.on_snapshot is not None:
-            try:
-                self.on_snapshot(self.snapshot)
-            except Exception:
-                logger.exception("snapshot callback failed")
+    def _publish_snapshots(self) -> None:
+        for name, engine in list(self.engines.items()):
+            snapshot = self.snapshots[name] = engine.snapshot()
+            if self.on_snapshot is not None:
+                try:
+                    self.on_snapshot(name, snapshot)
+                except Exception:
+                    logger.exception("snapshot callback failed")

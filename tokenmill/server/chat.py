@@ -22,10 +22,10 @@ from tokenmill.server.generation import (
     Generation,
     check_prompt,
     check_unsupported,
-    new_id,
     sampling_params,
     sse,
     tokenize,
+    request_tags,
     usage_of,
 )
 from tokenmill.server.logprobs import TokenText, chat_logprobs
@@ -36,14 +36,16 @@ from tokenmill.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
 )
-from tokenmill.server.state import ServerState, authenticate, get_state
+from tokenmill.server.budgets import BudgetHold
+from tokenmill.server.routing import run_request
+from tokenmill.server.state import ServedModel, Target, authenticate, get_state
 from tokenmill.server.tenancy import TenantConfig
 from tokenmill.server.warmup import check_warm
 
 router = APIRouter()
 
 
-async def render_messages(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True
+async def render_messages(served: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True
                           ) -> list[int]:
     """Token ids of the conversation through the chat template (as LLM.render_chat)."""
     plain = []
@@ -51,16 +53,16 @@ async def render_messages(state: ServerState, messages: list[ChatMessage], add_g
         content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
         plain.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     chars = sum(len(m["content"]) for m in plain)
-    check_text_length(state, chars, param="messages")  # the rendered text is longer still
+    check_text_length(served, chars, param="messages")  # the rendered text is longer still
     try:
         if chars > LARGE_TEXT:
-            text = await asyncio.to_thread(state.tokenizer.apply_chat_template, plain,
+            text = await asyncio.to_thread(served.tokenizer.apply_chat_template, plain,
                                            add_generation_prompt=add_generation_prompt)
         else:
-            text = state.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+            text = served.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
     except InvalidParameterError as exc:
         raise APIError(400, str(exc), param="messages") from exc
-    return await tokenize(state, text, add_special_tokens=False, param="messages")
+    return await tokenize(served, text, add_special_tokens=False, param="messages")
 
 
 def _num_top(body: ChatCompletionRequest) -> int | None:
@@ -118,29 +120,38 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  tenant: Annotated[TenantConfig, Depends(authenticate)]) -> Response:
     arrival = time.monotonic()
     state = get_state(request)
-    check_warm(state)
-    lora = state.resolve_model(body.model, tenant)
-    model = body.model or state.model_name
     check_unsupported(body)
     num_top = _num_top(body)
-    ids = await render_messages(state, body.messages, body.add_generation_prompt)
+    tags = request_tags(request, body.user, body.metadata)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = check_prompt(state, ids, asked, param="messages")
-    params = sampling_params(body, max_tokens, num_top)
-    gen = Generation(state, request, tenant, [ids], params, body.priority, body.cache_salt, arrival, lora)
-    await gen.start()
-    tokens = TokenText(state.tokenizer)
-    response_id, created = new_id("chatcmpl"), int(time.time())
-    if body.stream:
-        stream = ChatStream(body, tokens, num_top, response_id, created, model)
-        return await streaming_response(gen, stream, response_id)
-    if not await run_to_end(gen):
-        return Response(status_code=499)
-    request_id = gen.request_ids[0]
-    choices = [ChatChoice(index=out.index, message=AssistantMessage(content=out.text),
-                          logprobs=chat_logprobs(tokens, out.logprobs or [], num_top) if num_top is not None else None,
-                          finish_reason=out.finish_reason)
-               for out in gen.output(request_id).outputs]
-    response = ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices,
-                                      usage=usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
-    return JSONResponse(response.model_dump(), headers=engine_headers(gen.latest.get(request_id), response_id))
+
+    async def prepare(target: Target, route_logprobs: int | None = None, hold: BudgetHold | None = None
+                      ) -> Generation:
+        served = target.model
+        check_warm(state, served)
+        ids = await render_messages(served, body.messages, body.add_generation_prompt)
+        max_tokens = check_prompt(served, ids, asked, param="messages")
+        logprobs = num_top if route_logprobs is None else max(num_top or 0, route_logprobs)
+        params = sampling_params(body, max_tokens, logprobs)
+        return Generation(state, target, request, tenant, [ids], params, body.priority, body.cache_salt, arrival,
+                          body.user, tags, hold)
+
+    async def respond(gen: Generation) -> Response:
+        model = gen.target.name if gen.target.route or body.model is None else body.model
+        tokens = TokenText(gen.model.tokenizer)
+        response_id, created = f"chatcmpl-{gen.uid}", int(time.time())
+        if body.stream:
+            stream = ChatStream(body, tokens, num_top, response_id, created, model)
+            return await streaming_response(gen, stream, response_id)
+        if not await run_to_end(gen):
+            return Response(status_code=499)
+        request_id = gen.request_ids[0]
+        choices = [ChatChoice(index=out.index, message=AssistantMessage(content=out.text),
+                              logprobs=chat_logprobs(tokens, out.logprobs or [], num_top) if num_top is not None
+                              else None, finish_reason=out.finish_reason)
+                   for out in gen.output(request_id).outputs]
+        response = ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices,
+                                          usage=usage_of(gen))
+        return JSONResponse(response.model_dump(), headers=engine_headers(gen, response_id))
+
+    return await run_request(state, body.model, tenant, prepare, respond)

@@ -17,10 +17,10 @@ from tokenmill.server.generation import (
     Generation,
     check_prompt,
     check_unsupported,
-    new_id,
     sampling_params,
     sse,
     tokenize_all,
+    request_tags,
     usage_of,
 )
 from tokenmill.server.logprobs import TokenText, completion_logprobs, echo_items, items
@@ -29,19 +29,21 @@ from tokenmill.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from tokenmill.server.state import ServerState, authenticate, get_state
+from tokenmill.server.budgets import BudgetHold
+from tokenmill.server.routing import run_request
+from tokenmill.server.state import ServedModel, Target, authenticate, get_state
 from tokenmill.server.tenancy import TenantConfig
 from tokenmill.server.warmup import check_warm
 
 router = APIRouter()
 
 
-async def _prompts(state: ServerState, prompt) -> tuple[list[str | None], list[list[int]]]:
+async def _prompts(served: ServedModel, prompt) -> tuple[list[str | None], list[list[int]]]:
     """(text or None, token ids) per prompt."""
     if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
         prompt = [prompt]
     texts = [p if isinstance(p, str) else None for p in prompt]
-    encoded = iter(await tokenize_all(state, [t for t in texts if t is not None]))
+    encoded = iter(await tokenize_all(served, [t for t in texts if t is not None]))
     return texts, [next(encoded) if t is not None else list(p) for t, p in zip(texts, prompt)]
 
 
@@ -97,39 +99,49 @@ async def create_completion(body: CompletionRequest, request: Request,
                             tenant: Annotated[TenantConfig, Depends(authenticate)]) -> Response:
     arrival = time.monotonic()
     state = get_state(request)
-    check_warm(state)
-    lora = state.resolve_model(body.model, tenant)
-    model = body.model or state.model_name
     check_unsupported(body, suffix=(body.suffix, not body.suffix),
                       best_of=(body.best_of, body.best_of in (None, body.n)))
-    texts, prompts = await _prompts(state, body.prompt)
-    allowed = [check_prompt(state, ids, body.max_tokens) for ids in prompts]
-    max_tokens = body.max_tokens if body.max_tokens is not None else min(allowed)
+    tags = request_tags(request, body.user, None)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
-    gen = Generation(state, request, tenant, prompts, params, body.priority, body.cache_salt, arrival, lora)
-    await gen.start()
-    tokens = TokenText(state.tokenizer)
-    echo_texts = [t if t is not None else state.tokenizer.decode(ids, skip_special_tokens=False)
-                  for t, ids in zip(texts, prompts)] if body.echo else []
-    response_id, created = new_id("cmpl"), int(time.time())
-    if body.stream:
-        stream = CompletionStream(gen, body, tokens, echo_texts, response_id, created, model)
-        return await streaming_response(gen, stream, response_id)
-    if not await run_to_end(gen):
-        return Response(status_code=499)
-    choices = []
-    for i, (request_id, ids) in enumerate(zip(gen.request_ids, prompts)):
-        output = gen.output(request_id)
-        for out in output.outputs:
-            text = (echo_texts[i] if body.echo else "") + out.text
-            logprobs = None
-            if body.logprobs is not None:
-                entries = echo_items(ids, output.prompt_logprobs) if body.echo else []
-                logprobs = completion_logprobs(tokens, entries + items(out.logprobs))
-            choices.append(CompletionChoice(index=i * body.n + out.index, text=text, logprobs=logprobs,
-                                            finish_reason=out.finish_reason))
-    response = CompletionResponse(id=response_id, created=created, model=model, choices=choices,
-                                  usage=usage_of(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
-    return JSONResponse(response.model_dump(), headers=engine_headers(gen.latest.get(gen.request_ids[0]), response_id))
+    prepared: dict[str, tuple[list[str | None], list[list[int]]]] = {}
 
+    async def prepare(target: Target, route_logprobs: int | None = None, hold: BudgetHold | None = None
+                      ) -> Generation:
+        served = target.model
+        check_warm(state, served)
+        texts, prompts = prepared[served.name] = await _prompts(served, body.prompt)
+        allowed = [check_prompt(served, ids, body.max_tokens) for ids in prompts]
+        max_tokens = body.max_tokens if body.max_tokens is not None else min(allowed)
+        logprobs = body.logprobs if route_logprobs is None else max(body.logprobs or 0, route_logprobs)
+        params = sampling_params(body, max_tokens, logprobs, prompt_logprobs=echo_logprobs)
+        return Generation(state, target, request, tenant, prompts, params, body.priority, body.cache_salt, arrival,
+                          body.user, tags, hold)
+
+    async def respond(gen: Generation) -> Response:
+        texts, prompts = prepared[gen.model.name]
+        model = gen.target.name if gen.target.route or body.model is None else body.model
+        tokens = TokenText(gen.model.tokenizer)
+        echo_texts = [t if t is not None else gen.model.tokenizer.decode(ids, skip_special_tokens=False)
+                      for t, ids in zip(texts, prompts)] if body.echo else []
+        response_id, created = f"cmpl-{gen.uid}", int(time.time())
+        if body.stream:
+            stream = CompletionStream(gen, body, tokens, echo_texts, response_id, created, model)
+            return await streaming_response(gen, stream, response_id)
+        if not await run_to_end(gen):
+            return Response(status_code=499)
+        choices = []
+        for i, (request_id, ids) in enumerate(zip(gen.request_ids, prompts)):
+            output = gen.output(request_id)
+            for out in output.outputs:
+                text = (echo_texts[i] if body.echo else "") + out.text
+                logprobs = None
+                if body.logprobs is not None:
+                    entries = echo_items(ids, output.prompt_logprobs) if body.echo else []
+                    logprobs = completion_logprobs(tokens, entries + items(out.logprobs))
+                choices.append(CompletionChoice(index=i * body.n + out.index, text=text, logprobs=logprobs,
+                                                finish_reason=out.finish_reason))
+        response = CompletionResponse(id=response_id, created=created, model=model, choices=choices,
+                                      usage=usage_of(gen))
+        return JSONResponse(response.model_dump(), headers=engine_headers(gen, response_id))
+
+    return await run_request(state, body.model, tenant, prepare, respond)

@@ -35,6 +35,15 @@ class ServerConfig(Config):
         "keep-alive request's first byte) before it is closed")
     max_connections_per_client: int = option(
         64, "open connections one client address may hold; more get 503 and are closed (0: unlimited)")
+    spare_kv_cache_memory: int = option(
+        0, "bytes of the KV cache budget (--kv-cache-memory) kept unallocated at start, for models loaded "
+           "at runtime (POST /admin/models)")
+    routes: str | None = option(
+        None, "JSON file of routed model names (e.g. \"auto\": rule, cascade or learned over served models; see "
+              "tokenmill/server/routing.py)", metavar="FILE")
+    route_log: str | None = option(
+        None, "append each cascade decision (prompt token ids, confidence, escalated) to this JSON-lines file: "
+              "training data for `tokenmill route train`", metavar="FILE")
     lora_modules: str | None = option(
         None, "LoRA adapters to load at start, NAME=PATH (a PEFT directory or GGUF LoRA file), several separated by "
               "commas; needs --enable-lora", metavar="NAME=PATH,...")
@@ -54,12 +63,63 @@ class ServerConfig(Config):
 
     def lora_module_paths(self) -> list[tuple[str, str]]:
         """``lora_modules`` as (name, path) pairs."""
-        pairs = []
-        for item in (self.lora_modules or "").split(","):
-            if not item.strip():
-                continue
-            name, sep, path = item.strip().partition("=")
-            if not sep or not name or not path:
-                raise InvalidParameterError(f"lora_modules: expected NAME=PATH, got {item.strip()!r}")
-            pairs.append((name, path))
-        return pairs
+        return parse_pairs(self.lora_modules, "lora_modules")
+
+
+def parse_pairs(text: str | None, what: str) -> list[tuple[str, str]]:
+    """``NAME=VALUE,NAME=VALUE`` as pairs (``what`` names the option in errors)."""
+    pairs = []
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.strip().partition("=")
+        if not sep or not name or not value:
+            raise InvalidParameterError(f"{what}: expected NAME=VALUE, got {item.strip()!r}")
+        pairs.append((name, value))
+    return pairs
+
+
+@dataclass(frozen=True)
+class CostConfig(Config):
+    """Cost accounting (server/cost.py), budgets (budgets.py) and service-level objectives."""
+
+    title: ClassVar[str] = "cost"
+
+    price_per_hour: float = option(
+        0.0, "price of the machine per hour (any currency: costs, budgets and exports are in its unit); 0: costs "
+             "are all 0, and tenants' budgets cannot be enforced")
+    model_prices: str | None = option(
+        None, "per-model price per hour, NAME=PRICE,...: that model's steps are priced at it (e.g. a model "
+              "pinned to a dearer device)", metavar="NAME=PRICE,...")
+    reserve_prompt_per_1k: float | None = option(
+        None, "price per 1k prompt tokens a request's budget hold assumes (default: the model's measured rate, "
+              "or its warm-up's, times reserve_margin)")
+    reserve_completion_per_1k: float | None = option(
+        None, "price per 1k completion tokens (max_tokens of every sample) a budget hold assumes (default: "
+              "measured, times reserve_margin)")
+    reserve_margin: float = option(2.0, "factor on measured rates for budget holds when no rate is configured")
+    cost_log: str | None = option(None, "append every request's cost record to this JSON-lines file", metavar="FILE")
+    slo_ttft: float | None = option(None, "time-to-first-token objective in seconds (SLO compliance per tenant)")
+    slo_tpot: float | None = option(None, "time-per-output-token objective in seconds (SLO compliance per tenant)")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.price_per_hour < float("inf"):
+            raise InvalidParameterError(f"price_per_hour must be >= 0, got {self.price_per_hour}")
+        for name, price in self.model_price_map().items():
+            if not 0 <= price < float("inf"):
+                raise InvalidParameterError(f"model_prices: {name}'s price must be >= 0, got {price}")
+        for name in ("reserve_prompt_per_1k", "reserve_completion_per_1k", "slo_ttft", "slo_tpot"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise InvalidParameterError(f"{name} must be > 0, got {value}")
+        if not self.reserve_margin >= 1:
+            raise InvalidParameterError(f"reserve_margin must be >= 1, got {self.reserve_margin}")
+
+    def model_price_map(self) -> dict[str, float]:
+        prices = {}
+        for name, value in parse_pairs(self.model_prices, "model_prices"):
+            try:
+                prices[name] = float(value)
+            except ValueError:
+                raise InvalidParameterError(f"model_prices: {name}={value!r} is not a number") from None
+        return prices

@@ -24,11 +24,16 @@ router = APIRouter()
 Tenant = Annotated[TenantConfig, Depends(authenticate)]
 
 
-def _manager(state: ServerState, tenant: TenantConfig) -> LoRAManager:
+def _manager(state: ServerState, tenant: TenantConfig, base: str | None) -> LoRAManager:
+    """The LoRA adapters of served model ``base`` (None: the first)."""
     if not tenant.admin:
         raise APIError(403, f"tenant {tenant.name!r} may not load or unload adapters (it needs \"admin\")",
                        code="not_admin")
-    manager = state.engine.engine.lora
+    served = state.default_model if base is None else state.models.get(base)
+    if served is None:
+        raise APIError(404, f"base_model_name {base!r} is not served", param="base_model_name",
+                       code="model_not_found")
+    manager = served.engine.lora
     if manager is None:
         raise APIError(400, "this server serves no LoRA adapters: start it with --enable-lora", code="lora_disabled")
     return manager
@@ -37,9 +42,9 @@ def _manager(state: ServerState, tenant: TenantConfig) -> LoRAManager:
 @router.post("/v1/load_lora_adapter", response_model=LoRAAdapterResponse)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request, tenant: Tenant) -> LoRAAdapterResponse:
     state = get_state(request)
-    manager = _manager(state, tenant)
-    if body.lora_name == state.model_name:
-        raise APIError(400, f"{body.lora_name!r} is the served model's name", param="lora_name")
+    manager = _manager(state, tenant, body.base_model_name)
+    if body.lora_name in state.models or body.lora_name in state.routes:
+        raise APIError(400, f"{body.lora_name!r} is the name of a served model or route", param="lora_name")
     try:
         manager.check_name(body.lora_name, body.load_inplace)
         adapter = await asyncio.to_thread(manager.read, body.lora_name, body.lora_path)
@@ -54,7 +59,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request, tena
 @router.post("/v1/unload_lora_adapter", response_model=LoRAAdapterResponse)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request,
                               tenant: Tenant) -> LoRAAdapterResponse:
-    manager = _manager(get_state(request), tenant)
+    manager = _manager(get_state(request), tenant, body.base_model_name)
     try:
         in_use = await get_state(request).engine.call(lambda: manager.unload(body.lora_name))
     except UnknownAdapterError as exc:

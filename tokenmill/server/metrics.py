@@ -1,9 +1,11 @@
 """Prometheus metrics, one CollectorRegistry per app. Names follow vLLM's (``vllm:`` becomes ``tokenmill:``).
 
-Engine gauges and counters come from the engine thread's snapshot after every loop iteration;
+Every engine figure carries a ``model_name`` label (several models can be served at once).
+Engine gauges and counters come from the engine thread's snapshots after every loop iteration;
 request histograms and token counters from each finished request; rejections from admission
-and tenancy; per-tenant usage is read from Tenancy at scrape time. The tenant label names every
-tenant, which is why /metrics (ops.py) needs an admin or metrics key when keys are configured.
+and tenancy; per-tenant usage, costs (cost.py) and budgets (budgets.py) are read at scrape time.
+The tenant label names every tenant, which is why /metrics (ops.py) needs an admin or metrics
+key when keys are configured.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenmill.engine import EngineSnapshot
 from tokenmill.models.moe_stats import MoEStepStats
+from tokenmill.server.budgets import BudgetBook
+from tokenmill.server.cost import IDLE, KINDS, CostMeter
 from tokenmill.server.tenancy import Tenancy
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -45,8 +49,51 @@ class _TenantUsage(Collector):
         yield from families.values()
 
 
+class _Costs(Collector):
+    """The cost meter's totals and rates, and the budgets, at scrape time."""
+
+    def __init__(self, meter: CostMeter, budgets: BudgetBook) -> None:
+        self.meter, self.budgets = meter, budgets
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        summary = self.meter.summary()
+        yield CounterMetricFamily("tokenmill:metered_cost", "Wall time of the engine thread since start x the price "
+                                  "(the meter's own total)", value=summary["metered"])
+        yield CounterMetricFamily("tokenmill:idle_cost", "Cost of the time no model stepped",
+                                  value=summary["lines"].get(IDLE, 0.0))
+        other = CounterMetricFamily("tokenmill:other_cost", "Cost of time charged to no request and not idle "
+                                    "(loading a model, steps that ran no request's tokens)", labels=["line"])
+        for line, value in summary["lines"].items():
+            if line != IDLE:
+                other.add_metric([line], value)
+        yield other
+        per_request = CounterMetricFamily("tokenmill:request_cost", "Cost charged to requests (their share of the "
+                                          "steps they ran in)", labels=["model_name", "tenant"])
+        for (model, tenant), value in list(self.meter.by_model_tenant.items()):
+            per_request.add_metric([model, tenant], value)
+        yield per_request
+        rates = GaugeMetricFamily("tokenmill:cost_per_1k_tokens", "Measured cost per 1000 tokens of each kind "
+                                  "(prompt: computed prompt tokens; cached: from the prefix cache)",
+                                  labels=["model_name", "kind"])
+        for model, by_kind in self.meter.rates().items():
+            for kind in KINDS:
+                if kind in by_kind:
+                    rates.add_metric([model, kind], by_kind[kind])
+        yield rates
+        families = {name: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            f"tokenmill:budget_{name}", what, labels=["tenant"]) for name, kind, what in (
+            ("limit", "gauge", "A tenant's budget"), ("spent", "gauge", "Charged to the tenant so far"),
+            ("held", "gauge", "Held for the tenant's requests in flight (their stated upper bounds)"),
+            ("overrun", "counter", "Measured cost above the holds it settled against (not charged)"),
+            ("soft_limit_alerts", "counter", "Times the tenant's spending passed its soft limit"))}
+        for tenant, budget in self.budgets.snapshot().items():
+            for name, family in families.items():
+                family.add_metric([tenant], getattr(budget, name))
+        yield from families.values()
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, tenancy: Tenancy) -> None:
+    def __init__(self, tenancy: Tenancy, meter: CostMeter, budgets: BudgetBook) -> None:
         self.registry = registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": registry}
         self.running = Gauge("tokenmill:num_requests_running", "Sequences running in the engine", **labels)
@@ -105,16 +152,25 @@ class ServerMetrics:
                                  **labels)
         self.queue_time = Histogram("tokenmill:request_queue_time_seconds", "Arrival to first scheduled",
                                     buckets=LATENCY_BUCKETS, **labels)
+        self.slo = Counter("tokenmill:slo_requests", "Finished requests per tenant, by whether they met the TTFT "
+                           "and TPOT objectives (--slo-ttft, --slo-tpot)", ["tenant", "met"], registry=registry)
+        self.route_requests = Counter("tokenmill:route_requests", "Requests to a routed model name, by the model "
+                                      "that answered", ["route", "model_name"], registry=registry)
+        self.route_escalations = Counter("tokenmill:route_escalations", "Cascade requests the cheaper model's "
+                                         "answer was not confident enough for", ["route"], registry=registry)
+        self.cold_start = Gauge("tokenmill:model_cold_start_seconds", "Seconds from loading a model to serving it "
+                                "(weights, engine, warm-up)", **labels)
         registry.register(_TenantUsage(tenancy))
-        self.model_name = model_name
-        self._last = EngineSnapshot()
-        self.queued_in_server = 0
+        registry.register(_Costs(meter, budgets))
+        self._last: dict[str, EngineSnapshot] = {}
+        self.queued_in_server: dict[str, int] = {}
 
-    def observe_snapshot(self, snap: EngineSnapshot) -> None:
-        """Called from the engine thread after every loop iteration (prometheus_client is thread-safe)."""
-        m, last = self.model_name, self._last
+    def observe_snapshot(self, m: str, snap: EngineSnapshot) -> None:
+        """Model ``m``'s snapshot, from the engine thread after every loop iteration (prometheus_client
+        is thread-safe)."""
+        last = self._last.get(m, EngineSnapshot())
         self.running.labels(m).set(snap.num_running)
-        self.waiting.labels(m).set(snap.num_waiting + self.queued_in_server)
+        self.waiting.labels(m).set(snap.num_waiting + self.queued_in_server.get(m, 0))
         self.kv_usage.labels(m).set(snap.kv_usage)
         self.kv_blocks.labels(m).set(snap.num_used_blocks)
         self.lora_running.labels(m).set(snap.num_running_adapters)
@@ -132,11 +188,19 @@ class ServerMetrics:
             self.spec_rate.labels(m).set(snap.spec_accepted_tokens / max(snap.spec_draft_tokens, 1))
             self.spec_length.labels(m).set(1 + snap.spec_accepted_tokens / snap.spec_drafts)
         if snap.moe is not None and snap.moe is not last.moe:  # the totals object changes only when a step routes
-            self._observe_moe(snap.moe, last.moe)
-        self._last = snap
+            self._observe_moe(m, snap.moe, last.moe)
+        self._last[m] = snap
 
-    def _observe_moe(self, now: MoEStepStats, before: MoEStepStats | None) -> None:
-        m = self.model_name
+    def forget(self, m: str) -> None:
+        """Model ``m`` was unloaded: its gauges go (its counters stay, as Prometheus expects)."""
+        for gauge in (self.running, self.waiting, self.kv_usage, self.kv_blocks, self.lora_running, self.lora_loaded):
+            try:
+                gauge.remove(m)
+            except KeyError:
+                pass
+        self._last.pop(m, None)
+
+    def _observe_moe(self, m: str, now: MoEStepStats, before: MoEStepStats | None) -> None:
         for layer, row in enumerate(now.tokens_per_expert):
             if not any(row):
                 continue  # a dense layer
@@ -146,19 +210,18 @@ class ServerMetrics:
         self.moe_dropped.labels(m).inc(now.dropped - (before.dropped if before else 0))
         self.moe_entropy.labels(m).set(now.mean_entropy)
 
-    def set_queued(self, queued_in_server: int, engine_waiting: int) -> None:
-        self.queued_in_server = queued_in_server
-        self.waiting.labels(self.model_name).set(engine_waiting + queued_in_server)
+    def set_queued(self, m: str, queued_in_server: int, engine_waiting: int) -> None:
+        self.queued_in_server[m] = queued_in_server
+        self.waiting.labels(m).set(engine_waiting + queued_in_server)
 
-    def reject(self, reason: str) -> None:
-        self.rejected.labels(self.model_name, reason).inc()
+    def reject(self, m: str, reason: str) -> None:
+        self.rejected.labels(m, reason).inc()
 
-    def observe_request(self, arrival: float, scheduled: float | None, first_token: float | None,
+    def observe_request(self, m: str, arrival: float, scheduled: float | None, first_token: float | None,
                         finish: float, prompt_tokens: int, completion_tokens: int, finished_reason: str,
                         lora: str | None = None) -> None:
-        """One engine request that ended; times are time.monotonic(), arrival at the HTTP server;
-        ``lora``: the adapter it ran with."""
-        m = self.model_name
+        """One engine request of model ``m`` that ended; times are time.monotonic(), arrival at the
+        HTTP server; ``lora``: the adapter it ran with."""
         if lora is not None:
             self.lora_requests.labels(m, lora).inc()
             self.lora_prompt_tokens.labels(m, lora).inc(prompt_tokens)
@@ -174,8 +237,11 @@ class ServerMetrics:
             if completion_tokens > 1:
                 self.tpot.labels(m).observe((finish - first_token) / (completion_tokens - 1))
 
-    def observe_inter_token(self, seconds: float) -> None:
-        self.itl.labels(self.model_name).observe(seconds)
+    def observe_inter_token(self, m: str, seconds: float) -> None:
+        self.itl.labels(m).observe(seconds)
+
+    def observe_slo(self, tenant: str, met: bool) -> None:
+        self.slo.labels(tenant, "true" if met else "false").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

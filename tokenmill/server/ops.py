@@ -34,7 +34,7 @@ async def ready(request: Request) -> JSONResponse:
     if state.draining or not state.engine.alive:
         raise APIError(503, "not ready: " + ("draining" if state.draining else "the engine loop is not running"),
                        code="not_ready", retry_after=state.config.retry_after)
-    check_warm(state, count=False)
+    check_warm(state)
     return JSONResponse({"status": "ready"})
 
 

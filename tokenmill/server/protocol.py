@@ -140,6 +140,11 @@ class PromptTokensDetails(BaseModel):
 
 
 class Usage(BaseModel):
+    """OpenAI's usage; with a price configured (--price-per-hour) it also carries ``cost``: the
+    request's measured cost in that currency (an extra field, as OpenRouter's)."""
+
+    model_config = ConfigDict(extra="allow")
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -226,7 +231,9 @@ class ModelCard(BaseModel):
     root: str | None = None
     """The served model's name; for a LoRA adapter, the path it was loaded from (as vLLM)."""
     parent: str | None = None
-    """For a LoRA adapter: the model it runs on; None for the served model."""
+    """For a LoRA adapter: the model it runs on; None for a served model."""
+    route: list[str] | None = None
+    """For a routed name: the served models it answers with."""
 
 
 class ModelList(BaseModel):
@@ -259,6 +266,8 @@ class LoadLoRAAdapterRequest(Strict):
     lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
     load_inplace: bool = False
     """Replace the weights of a name already loaded (running requests finish on the old ones)."""
+    base_model_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """The served model it runs on (default: the first served model)."""
 
 
 class UnloadLoRAAdapterRequest(Strict):
@@ -266,6 +275,39 @@ class UnloadLoRAAdapterRequest(Strict):
 
     lora_name: Annotated[str, Field(min_length=1, max_length=256)]
     lora_int_id: int | None = None
+    base_model_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+
+class LoadModelRequest(Strict):
+    """POST /admin/models: serve another model, loaded now."""
+
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    source: Annotated[str, Field(min_length=1, max_length=4096)]
+    """A known name, a GGUF file, an HF or tokenmill-quantized directory (as ``tokenmill serve``'s model)."""
+    kv_cache_memory: int | None = Field(None, gt=0)
+    """Bytes of KV pool (default: all of the server's KV budget no served model holds)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Load and engine options for this model only (``tokenmill serve``'s flags, by field name)."""
+
+
+class ServedModelInfo(BaseModel):
+    name: str
+    source: str
+    created: int
+    max_model_len: int
+    kv_cache_memory: int
+    """Bytes of its KV pool."""
+    cold_start_seconds: float | None
+    warming: bool
+    running: int
+    waiting: int
+
+
+class ServedModelList(BaseModel):
+    data: list[ServedModelInfo]
+    kv_cache_budget: int | None
+    """The server's total KV budget (None when models cannot be loaded at runtime)."""
+    kv_cache_available: int | None
 
 
 class LoRAAdapterResponse(BaseModel):

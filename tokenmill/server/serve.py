@@ -17,7 +17,8 @@ import uvicorn
 
 from tokenmill.llm import LLM
 from tokenmill.server.app import build_app, create_state
-from tokenmill.server.config import ServerConfig
+from tokenmill.server.config import CostConfig, ServerConfig
+from tokenmill.server.model_pool import ModelLoader
 from tokenmill.server.connections import guarded_protocol
 from tokenmill.server.state import ServerState
 
@@ -52,15 +53,17 @@ def uvicorn_config(app, config: ServerConfig, **kwargs) -> uvicorn.Config:
     return uvicorn.Config(app, **{"host": config.host, "port": config.port, "http": protocol, **kwargs})
 
 
-def serve(llm: LLM, config: ServerConfig) -> None:
-    """Serve a loaded model until SIGTERM/SIGINT: the engine steps in this (the main) thread, where
-    the model was loaded, and uvicorn serves HTTP from a second thread (why: AsyncEngine's
-    docstring). Signals arrive in the main thread and go to the server's drain logic."""
-    state = create_state(llm, config)
+def serve(models: LLM | dict[str, LLM], config: ServerConfig, cost: CostConfig | None = None,
+          loader: ModelLoader | None = None, load_seconds: dict[str, float] | None = None) -> None:
+    """Serve loaded models until SIGTERM/SIGINT (arguments: ``create_state``'s): the engine steps in
+    this (the main) thread, where the models were loaded, and uvicorn serves HTTP from a second
+    thread (why: AsyncEngine's docstring). Signals arrive in the main thread and go to the
+    server's drain logic."""
+    state = create_state(models, config, cost, loader, load_seconds)
     sys.setswitchinterval(0.001)  # the engine holds the GIL in its Python parts; hand it over sooner
     uv = uvicorn_config(build_app(state), config, log_level="info", timeout_graceful_shutdown=5)
     server = DrainingServer(uv, state)
-    logger.info("serving %s on http://%s:%d", state.model_name, config.host, config.port)
+    logger.info("serving %s on http://%s:%d", ", ".join(state.models), config.host, config.port)
 
     exit_code: list[int] = []
 

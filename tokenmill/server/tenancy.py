@@ -8,13 +8,17 @@ The keys file is JSON::
       {"name": "bob", "key_sha256": "<hex>", "cache_group": "shared-assistant"},
       {"name": "carol", "key_sha256": "<hex>", "cache_group": "shared-assistant"},
       {"name": "dave", "key_sha256": "<hex>", "models": ["sql-lora", "support-lora"]},
+      {"name": "erin", "key_sha256": "<hex>", "budget": 25.0, "budget_soft_limit": 20.0},
       {"name": "prometheus", "key_sha256": "<hex>", "metrics": true},
       {"name": "ops", "key_sha256": "<hex>", "admin": true}
     ]}
 
 Names (and cache groups) are 1 to 64 characters of ``A-Z a-z 0-9 . _ -``. Limits are optional
 (0 or absent: unlimited). ``models`` limits a tenant to the named models (the served model, LoRA
-adapters; absent: all); others answer 403 and are not listed by /v1/models for it. Without a
+adapters, routes; absent: all); others answer 403 and are not listed by /v1/models for it.
+``budget`` is currency (the unit of ``--price-per-hour``) the tenant's requests may be charged in
+all, enforced at admission (budgets.py); ``budget_soft_limit`` (default: the budget) logs a warning
+and counts an alert when spending passes it. Without a
 keys file every request belongs to the tenant ``default``, which may do everything, and nothing
 is enforced.
 
@@ -101,7 +105,11 @@ class TenantConfig:
     cache_group: str = ""
     """Tenants with the same group share prefix-cache blocks; others never do. Default: the name."""
     models: tuple[str, ...] | None = None
-    """The models it may use by name (the served model, LoRA adapters); None: all of them."""
+    """The models it may use by name (served models, LoRA adapters, routes); None: all of them."""
+    budget: float = 0.0
+    """Currency its requests may be charged in all (budgets.py); 0: no budget."""
+    budget_soft_limit: float = 0.0
+    """Spending that logs a warning and counts an alert; 0: the budget itself."""
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -116,6 +124,13 @@ class TenantConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidParameterError(f"tenant {self.name!r}: {name} must be an integer >= 0, got {value!r}")
+        for name in ("budget", "budget_soft_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise InvalidParameterError(f"tenant {self.name!r}: {name} must be a number >= 0, got {value!r}")
+        if self.budget_soft_limit > self.budget:
+            raise InvalidParameterError(f"tenant {self.name!r}: budget_soft_limit {self.budget_soft_limit} is above "
+                                        f"its budget {self.budget}")
         if self.models is not None:
             if not isinstance(self.models, (list, tuple)) or not all(isinstance(m, str) for m in self.models):
                 raise InvalidParameterError(f"tenant {self.name!r}: models must be a list of model names, "
@@ -184,7 +199,8 @@ class Tenancy:
             raise InvalidParameterError(f"the tenancy window must be > 0 seconds, got {window}")
         self.enabled = tenants is not None
         self.window = window
-        self._by_hash = {t.key_sha256.lower(): t for t in tenants or []}
+        self.tenants = list(tenants or [])
+        self._by_hash = {t.key_sha256.lower(): t for t in self.tenants}
         self._anonymous = TenantConfig(DEFAULT_TENANT, admin=True)
         self._windows: dict[str, _Window] = {}
         self.usage: dict[str, Usage] = {}

@@ -1,0 +1,1 @@
+"""Model routing's learned part: prompt features and a small classifier trained from logged outcomes."""

@@ -19,7 +19,7 @@ from tokenmill.engine import ENGINE_OPTIONS, CacheConfig, EngineConfig, Schedule
 from tokenmill.errors import InvalidParameterError
 from tokenmill.llm import LLM
 from tokenmill.options import flag_name, number, option_fields
-from tokenmill.server.config import ServerConfig
+from tokenmill.server.config import CostConfig, ServerConfig
 
 
 def _subparser(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:
@@ -57,9 +57,14 @@ def _check_flags(parser: argparse.ArgumentParser, fields, positional_model: bool
 ENGINE_FIELDS = [f for cls in ENGINE_OPTIONS for f in _expected(cls)]
 
 
-def test_serve_offers_every_load_engine_and_server_option() -> None:
+def test_serve_offers_every_load_engine_server_and_cost_option() -> None:
     serve = _subparser(build_parser(), "serve")
-    _check_flags(serve, _expected(LoadConfig) + ENGINE_FIELDS + _expected(ServerConfig))
+    _check_flags(serve, _expected(LoadConfig, exclude=("model",)) + ENGINE_FIELDS + _expected(ServerConfig)
+                 + _expected(CostConfig))
+    model = _actions(serve)["model"]  # several models: --model NAME=SOURCE, repeated
+    assert model.option_strings == ["--model", "-m"] and isinstance(model, argparse._AppendAction)
+    args = build_parser().parse_args(["serve", "--model", "a=x.gguf", "-m", "b=y"])
+    assert args.model == ["a=x.gguf", "b=y"] and args.model_pos is None
 
 
 def test_bench_offline_offers_every_load_and_engine_option() -> None:

@@ -14,6 +14,7 @@ from tokenmill.config import LoadConfig
 from tokenmill.engine import ENGINE_OPTIONS, add_engine_options
 from tokenmill.errors import TokenmillError
 from tokenmill.options import add_option_group
+from tokenmill.commands.cost import add_cost_parser, cmd_cost
 from tokenmill.commands.distill import add_distill_parser, cmd_distill
 from tokenmill.commands.upcycle import add_upcycle_parser, cmd_upcycle
 from tokenmill.commands.eval import add_eval_parser, cmd_eval
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_parser(sub)
     add_route_parser(sub)
     add_eval_parser(sub)
+    add_cost_parser(sub)
     return parser
 
 
@@ -173,7 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve,
             "quantize": cmd_quantize, "eval": cmd_eval, "qat": cmd_qat, "prune": cmd_prune, "distill": cmd_distill,
-            "upcycle": cmd_upcycle, "spec": cmd_spec, "route": cmd_route, "lora": cmd_lora}
+            "upcycle": cmd_upcycle, "spec": cmd_spec, "route": cmd_route, "lora": cmd_lora, "cost": cmd_cost}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -78,3 +78,17 @@ def test_moe_model_routing_bytes_and_expert_load(tmp_path) -> None:
     assert "MoE: most loaded expert" in format_offline(data)
     png = plot_expert_load(moe["load"], tmp_path / "load.png", "load")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_arrivals_at_a_rate_under_a_concurrency_cap(tiny_llama_dir) -> None:
+    """Requests arrive at their seeded offsets and at most max_concurrency run at once; each is timed
+    from when it was sent, so the run lasts at least until the last arrival."""
+    from tokenmill.benchmark.arrivals import ArrivalProcess
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory=4 << 20)
+    config = OfflineConfig(num_requests=6, input_len="8", output_len="5", seed=2, request_rate=40, max_concurrency=2)
+    s = run_offline(llm, config, CEILINGS, progress=False)["summary"]
+    assert (s["requests"], s["total_output_tokens"]) == (6, 30)
+    assert s["duration_s"] >= ArrivalProcess(40, seed=2).offsets(6)[-1]
+    assert max(step.num_scheduled for step in llm.engine.stats) <= 2  # the cap, not max_num_seqs
+    assert s["ttft"]["count"] == 6 and s["ttft"]["median"] < s["e2el"]["median"]

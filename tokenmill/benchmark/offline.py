@@ -1,9 +1,11 @@
 """``tokenmill bench offline``: the engine alone, no HTTP: throughput, latency, MBU and MFU.
 
-All requests (random token-id prompts of the drawn lengths, EOS ignored so each generates exactly
-its output length) are added at once and the engine is stepped until they finish. Per request:
-TTFT (first output token), TPOT and E2E from the time they were added. Per step, from the
-engine's ``StepStats``: its wall time and, against this machine's ceilings (hardware.py),
+Requests (random token-id prompts of the drawn lengths, EOS ignored so each generates exactly
+its output length) arrive all at once (the default) or at a request rate (arrivals.py), at most
+``max_concurrency`` unfinished at a time when that is set, and the engine is stepped until they
+finish. Per request: TTFT (first output token), TPOT and E2E from the time it was sent (see
+:class:`RequestFeed`). Per step, from the engine's ``StepStats``: its wall time and, against this
+machine's ceilings (hardware.py),
 
     decode steps (every scheduled sequence computes one token):
         MBU = (weight bytes + KV bytes of the tokens held) / step time / memory bandwidth
@@ -16,7 +18,9 @@ plot of the decode and prefill steps.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 from pathlib import Path
@@ -24,11 +28,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from tokenmill.benchmark.arrivals import ArrivalProcess
 from tokenmill.benchmark.hardware import HardwareCeilings, ModelCost, plot_roofline
 from tokenmill.benchmark.metrics import Distribution
 from tokenmill.benchmark.report import fmt, table
 from tokenmill.benchmark.workloads import LengthDist
 from tokenmill.config import Config
+from tokenmill.errors import InvalidParameterError
 from tokenmill.options import option
 from tokenmill.sampling_params import SamplingParams
 
@@ -41,10 +47,22 @@ class OfflineConfig(Config):
 
     title: ClassVar[str] = "workload"
 
-    num_requests: int = option(64, "requests, all added at once")
+    num_requests: int = option(64, "requests")
     input_len: str = option("256", "prompt tokens: N or LO:HI")
     output_len: str = option("128", "output tokens: N or LO:HI")
-    seed: int = option(0, "seed of the workload's prompts and lengths")
+    seed: int = option(0, "seed of the workload's prompts, lengths and arrival times")
+    request_rate: float = option(math.inf, "requests per second, Poisson arrivals; inf adds them all at once")
+    max_concurrency: int = option(0, "most requests unfinished at once, the rest wait to be sent; 0 for no cap")
+
+    def __post_init__(self) -> None:
+        LengthDist.parse(self.input_len)
+        LengthDist.parse(self.output_len)
+        if self.num_requests < 1:
+            raise InvalidParameterError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not self.request_rate > 0:
+            raise InvalidParameterError(f"request_rate must be > 0 (inf: all at once), got {self.request_rate}")
+        if self.max_concurrency < 0:
+            raise InvalidParameterError(f"max_concurrency must be >= 0 (0: no cap), got {self.max_concurrency}")
 
 
 @dataclass(frozen=True)
@@ -67,20 +85,59 @@ def random_token_prompts(llm, num: int, input_len: LengthDist, output_len: Lengt
     return [(rng.choice(candidates, size=i).tolist(), o) for i, o in zip(ins, outs)]
 
 
+class RequestFeed:
+    """Hands the workload's requests to the engine in arrival order, between steps.
+
+    A request is sent once it is due (``start`` + its arrival offset) and, with a concurrency cap,
+    a slot is free. Its clock starts when it was sent, as a client's would: when it was due, or,
+    if the cap held it back, when the slot it took was freed (a request due in the middle of a
+    step is handed over after the step, but timed from when it was due).
+    """
+
+    def __init__(self, engine, prompts: list[tuple[list[int], int]], offsets: list[float], max_concurrency: int):
+        self.engine, self.cap = engine, max_concurrency
+        self.pending = deque(zip(offsets, prompts))
+        self.in_flight = 0
+        self.slot_freed = -math.inf
+        self.sent: dict[str, tuple[float, int, int]] = {}
+        """request id -> (when it was sent, prompt tokens, output tokens)."""
+
+    def admit(self, start: float, now: float) -> None:
+        """Send every request due by ``now`` that the cap lets in."""
+        while self.pending and start + self.pending[0][0] <= now and (not self.cap or self.in_flight < self.cap):
+            offset, (ids, out) = self.pending.popleft()
+            request = self.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+            self.sent[request.request_id] = (max(start + offset, self.slot_freed), len(ids), out)
+            self.in_flight += 1
+
+    def finished(self, now: float) -> None:
+        if self.in_flight == self.cap:
+            self.slot_freed = now
+        self.in_flight -= 1
+
+    def wait_for_next(self, start: float) -> None:
+        """Sleep until the next request is due (the engine has nothing to do)."""
+        time.sleep(max(0.0, start + self.pending[0][0] - time.perf_counter()))
+
+
 def run_offline(llm, config: OfflineConfig, ceilings: HardwareCeilings, progress: bool = True) -> dict:
     """Run the workload through ``llm.engine`` and return the result (JSON-ready dict)."""
     prompts = random_token_prompts(llm, config.num_requests, LengthDist.parse(config.input_len),
                                    LengthDist.parse(config.output_len), config.seed)
     engine, cost = llm.engine, ModelCost.of(llm.engine.runner.model)
     _drain(engine, [(prompts[0][0][:8], 2)])  # warm-up: first-call allocations stay out of the figures
-    steps, added, first, done = [], {}, {}, {}
+    offsets = ArrivalProcess(config.request_rate, seed=config.seed).offsets(len(prompts)).tolist()
+    feed = RequestFeed(engine, prompts, offsets, config.max_concurrency)
+    steps, first, done = [], {}, {}
     routing = None  # an MoE model's routing over the run (MoEStepStats)
     start = time.perf_counter()
-    for ids, out in prompts:
-        request = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
-        added[request.request_id] = (time.perf_counter(), len(ids), out)
+    feed.admit(start, start)
     with tqdm(total=len(prompts), desc="offline", unit="req", disable=not progress) as bar:
-        while engine.has_unfinished_requests():
+        while feed.pending or engine.has_unfinished_requests():
+            if not engine.has_unfinished_requests():
+                feed.wait_for_next(start)
+                feed.admit(start, time.perf_counter())
+                continue
             outputs = engine.step()
             now = time.perf_counter()
             stats = engine.stats[-1]
@@ -95,9 +152,11 @@ def run_offline(llm, config: OfflineConfig, ceilings: HardwareCeilings, progress
                     first[delta.request_id] = now
                 if delta.finished:
                     done[delta.request_id] = now
+                    feed.finished(now)
                     bar.update(1)
+            feed.admit(start, now)
     duration = time.perf_counter() - start
-    return _result(llm, config, cost, ceilings, steps, added, first, done, duration, routing)
+    return _result(llm, config, cost, ceilings, steps, feed.sent, first, done, duration, routing)
 
 
 def _drain(engine, prompts: list[tuple[list[int], int]]) -> None:

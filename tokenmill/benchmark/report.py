@@ -40,6 +40,18 @@ def _finite(value):
     return value
 
 
+def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
+    """Lay out a matplotlib figure, write it to ``path`` (folders made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -51,6 +63,17 @@ def table(rows: list[tuple[str, str]], title: str = "") -> str:
     lines = [f"{title:=^{width + vwidth + 2}}"] if title else []
     lines += [f"{k:<{width}}  {v:>{vwidth}}" for k, v in rows]
     return "\n".join(lines)
+
+
+def grid(header: list[str], rows: list[list[str]], title: str = "") -> str:
+    """Aligned columns under a header (the first column left-aligned, the others right), with an optional title rule."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+
+    total = sum(widths) + 2 * (len(widths) - 1)
+    return "\n".join(([f"{title:=^{total}}"] if title else []) + [line(header), "-" * total] + [line(r) for r in rows])
 
 
 def summary_rows(s: Summary) -> list[tuple[str, str]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenmill.benchmark.client import ClientConfig
 from tokenmill.benchmark.metrics import SLO, Summary
-from tokenmill.benchmark.report import fmt, markdown_table
+from tokenmill.benchmark.report import fmt, markdown_table, save_figure
 from tokenmill.benchmark.runner import LoadConfig, run_serve
 from tokenmill.benchmark.workloads import Conversation
 from tokenmill.errors import InvalidParameterError
@@ -176,12 +176,7 @@ def plot_sweep(result: SweepResult, path: str | Path) -> Path:
         axes[0].annotate("inf", (inf_at, thr[-1]))
     for ax in axes[:2]:
         ax.set_xscale("log")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def sweep_rows(result: SweepResult) -> tuple[list[str], list[list[str]]]:

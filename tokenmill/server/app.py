@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from tokenmill.llm import LLM
-from tokenmill.server import admin, chat, completions, lora, models, ops
+from tokenmill.server import admin, chat, completions, dashboard, lora, models, ops
 from tokenmill.server.async_engine import AsyncEngine
 from tokenmill.server.budgets import BudgetBook
 from tokenmill.server.config import CostConfig, ServerConfig
@@ -179,7 +179,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tokenmill", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.server = state
-    routers = [module.router for module in (completions, chat, models, lora, ops, admin)]
+    routers = [module.router for module in (completions, chat, models, lora, ops, admin, dashboard)]
     for router in routers:
         app.include_router(router)
     install_error_handlers(app)

@@ -72,7 +72,8 @@ def test_cascade_answers_with_the_cheap_model_or_escalates(models, tmp_path, str
                       "threshold": 1.0})
     log = tmp_path / "route.jsonl"
     want = {name: _greedy(llm, "hello") for name, llm in models.items()}
-    with live_server(models, routes=routes, route_log=str(log), cost=CostConfig(price_per_hour=3600.0)) as server:
+    cost = CostConfig(price_per_hour=3600.0, slo_ttft=60.0, slo_tpot=60.0)
+    with live_server(models, routes=routes, route_log=str(log), cost=cost) as server:
         for route, answer in (("trusting", "small"), ("doubting", "large")):
             if stream:
                 body = {"model": route, "prompt": "hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
@@ -97,6 +98,7 @@ def test_cascade_answers_with_the_cheap_model_or_escalates(models, tmp_path, str
         m = server.metrics()
         assert m['tokenmill:route_escalations_total{route="doubting"}'] == 1
         assert 'tokenmill:route_escalations_total{route="trusting"}' not in m
+        assert m['tokenmill:slo_requests_total{met="true",tenant="default"}'] == 2  # once per request answered
         server.wait_idle()
     logged = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(e["route"], e["escalated"]) for e in logged] == [("trusting", False), ("doubting", True)]

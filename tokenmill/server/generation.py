@@ -216,6 +216,8 @@ class Generation:
         """Every update received, when set to a list before start() (a cascade's first attempt)."""
         self._replay: deque[EngineUpdate] = deque()
         self._watcher: asyncio.Task | None = None
+        self._endings: list[tuple[str, float | None, float, int]] = []
+        """(reason, first token time, finish time, tokens of the longest sample) of each engine request, from close()."""
         self._last_token_time: dict[str, float] = {}
         self._closed = False
 
@@ -416,7 +418,17 @@ class Generation:
             completion = sum(len(o.token_ids) for o in outputs)
             state.metrics.observe_request(self.model.name, self.arrival, delta.scheduled_time if delta else None,
                                           first_token, finish, len(ids), completion, reason, self.lora)
-            self._observe_slo(reason, first_token, finish, max(len(o.token_ids) for o in outputs) if outputs else 0)
+            self._endings.append((reason, first_token, finish, max((len(o.token_ids) for o in outputs), default=0)))
+        if self.history is None:  # a cascade's first attempt counts only if it is shown (observe_slo)
+            for ending in self._endings:
+                self._observe_slo(*ending)
+
+    def observe_slo(self, shown_at: float) -> None:
+        """Count a cascade's accepted first attempt in SLO compliance as its client saw it: the
+        first token when the answer was judged and shown (``shown_at``), the engine's pace after."""
+        for reason, first_token, finish, tokens in self._endings:
+            delay = shown_at - first_token if first_token is not None else 0.0
+            self._observe_slo(reason, first_token and shown_at, finish + delay, tokens)
 
     def _observe_slo(self, reason: str, first_token: float | None, finish: float, tokens: int) -> None:
         """Count the request in its tenant's SLO compliance: finished ones by their TTFT and TPOT

@@ -257,6 +257,7 @@ async def _cascade(state: ServerState, route: Route, targets: dict[str, Target],
         answer = strong if escalate else cheap
         state.metrics.route_requests.labels(route.name, answer.target.name).inc()
         if not escalate:
+            cheap.observe_slo(time.monotonic())
             cheap.replay()
             return await respond(cheap)
         state.metrics.route_escalations.labels(route.name).inc()

@@ -217,7 +217,8 @@ def main() -> None:
     md.write_text("| policy | accuracy % | cost / 1k requests | to cheap | frontier |\n|---|---|---|---|---|\n"
                   + "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n")
     path = plot(points, out.with_suffix(".png"), f"routing on {len(eval_items)} held-out items "
-                f"({', '.join(tasks)}); cheap={Path(args.cheap).name}, strong={Path(args.strong).name}")
+                f"({', '.join(tasks)})\ncheap={Path(args.cheap).name}, strong={Path(args.strong).name}, "
+                f"concurrency {args.concurrency}")
     print(f"wrote {out}, {md} and {path}")
 
 

@@ -1,10 +1,11 @@
 """A screenshot of the dashboard under load: bench/results/dashboard.png.
 
-    python bench/dashboard_screenshot.py [--model smollm2-135m-instruct] [--seconds 40] [--concurrency 4] [SERVE FLAGS]
+    python bench/dashboard_screenshot.py [--model [NAME=]SOURCE ...] [--seconds 40] [--concurrency 4] [SERVE FLAGS]
 
-Starts ``tokenmill serve MODEL`` (a subprocess on a free port; flags this script does not know go
-to it), opens /dashboard in headless Chromium (Debian's ``chromium``, driven by Playwright)
-polling every second, sends completions and chats, streamed or not, from client threads whose
+Starts ``tokenmill serve --model ...`` (a subprocess on a free port; flags this script does not
+know go to it, ``--routes`` among them; every name /v1/models lists gets traffic), opens
+/dashboard in headless Chromium (Debian's ``chromium``, driven by Playwright) polling every
+second, sends completions and chats, streamed or not, from client threads whose
 number ramps from 1 to --concurrency over --seconds, waits for the idle tail to show in the
 charts, and saves a full-page screenshot. Exit status 1 when the page logged an error.
 """
@@ -27,13 +28,14 @@ RESULTS = Path(__file__).parent / "results"
 WORDS = "the quick brown fox jumps over a lazy dog while seven tired engineers measure tail latency".split()
 
 
-def client(base: str, model: str, seed: int, stop: threading.Event) -> None:
+def client(base: str, models: list[str], seed: int, stop: threading.Event) -> None:
     """Requests one after another until ``stop``: a completion or a chat, every other one streamed."""
     rng = random.Random(seed)
     with httpx.Client(base_url=base, timeout=120) as http:
         while not stop.is_set():
             text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 60)))
-            body = {"model": model, "max_tokens": rng.randint(16, 64), "ignore_eos": True, "stream": rng.random() < 0.5}
+            body = {"model": rng.choice(models), "max_tokens": rng.randint(16, 64), "ignore_eos": True,
+                    "stream": rng.random() < 0.5}
             if rng.random() < 0.5:
                 path, body = "/v1/completions", {**body, "prompt": text}
             else:
@@ -48,7 +50,8 @@ def client(base: str, model: str, seed: int, stop: threading.Event) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE",
+                        help="a model to serve (repeatable; default smollm2-135m-instruct)")
     parser.add_argument("--seconds", type=float, default=40.0, help="how long the traffic lasts")
     parser.add_argument("--concurrency", type=int, default=4, help="client threads at the end of the ramp")
     parser.add_argument("--out", default=str(RESULTS / "dashboard.png"))
@@ -62,11 +65,12 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     log = Path("/tmp/dashboard_screenshot_server.log")
     with log.open("w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", args.model, "--port", str(port),
+        models = [flag for m in args.model or ["smollm2-135m-instruct"] for flag in ("--model", m)]
+        server = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", *models, "--port", str(port),
                                    *serve_flags], stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_ready(base, server, str(log))
-        served = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+        served = [card["id"] for card in httpx.get(base + "/v1/models", timeout=10).json()["data"]]
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium, headless=True)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})

@@ -36,7 +36,6 @@ from tokenmill.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
 )
-from tokenmill.server.budgets import BudgetHold
 from tokenmill.server.routing import run_request
 from tokenmill.server.state import ServedModel, Target, authenticate, get_state
 from tokenmill.server.tenancy import TenantConfig
@@ -122,11 +121,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     state = get_state(request)
     check_unsupported(body)
     num_top = _num_top(body)
-    tags = request_tags(request, body.user, body.metadata)
+    tags = request_tags(request, body.metadata)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
 
-    async def prepare(target: Target, route_logprobs: int | None = None, hold: BudgetHold | None = None
-                      ) -> Generation:
+    async def prepare(target: Target, route_logprobs: int | None = None) -> Generation:
         served = target.model
         check_warm(state, served)
         ids = await render_messages(served, body.messages, body.add_generation_prompt)
@@ -134,7 +132,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         logprobs = num_top if route_logprobs is None else max(num_top or 0, route_logprobs)
         params = sampling_params(body, max_tokens, logprobs)
         return Generation(state, target, request, tenant, [ids], params, body.priority, body.cache_salt, arrival,
-                          body.user, tags, hold)
+                          body.user, tags)
 
     async def respond(gen: Generation) -> Response:
         model = gen.target.name if gen.target.route or body.model is None else body.model

@@ -29,7 +29,6 @@ from tokenmill.server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from tokenmill.server.budgets import BudgetHold
 from tokenmill.server.routing import run_request
 from tokenmill.server.state import ServedModel, Target, authenticate, get_state
 from tokenmill.server.tenancy import TenantConfig
@@ -101,12 +100,11 @@ async def create_completion(body: CompletionRequest, request: Request,
     state = get_state(request)
     check_unsupported(body, suffix=(body.suffix, not body.suffix),
                       best_of=(body.best_of, body.best_of in (None, body.n)))
-    tags = request_tags(request, body.user, None)
+    tags = request_tags(request, None)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     prepared: dict[str, tuple[list[str | None], list[list[int]]]] = {}
 
-    async def prepare(target: Target, route_logprobs: int | None = None, hold: BudgetHold | None = None
-                      ) -> Generation:
+    async def prepare(target: Target, route_logprobs: int | None = None) -> Generation:
         served = target.model
         check_warm(state, served)
         texts, prompts = prepared[served.name] = await _prompts(served, body.prompt)
@@ -115,7 +113,7 @@ async def create_completion(body: CompletionRequest, request: Request,
         logprobs = body.logprobs if route_logprobs is None else max(body.logprobs or 0, route_logprobs)
         params = sampling_params(body, max_tokens, logprobs, prompt_logprobs=echo_logprobs)
         return Generation(state, target, request, tenant, prompts, params, body.priority, body.cache_salt, arrival,
-                          body.user, tags, hold)
+                          body.user, tags)
 
     async def respond(gen: Generation) -> Response:
         texts, prompts = prepared[gen.model.name]

@@ -54,10 +54,6 @@ def sse(data: Any) -> str:
     return f"data: {payload}\n\n"
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 def rejected_error(exc: Rejected) -> APIError:
     return APIError(exc.status, exc.message, code=exc.reason, retry_after=exc.retry_after)
 
@@ -157,7 +153,7 @@ def usage_of(gen: Generation) -> Usage:
     return usage
 
 
-def request_tags(http: Request, user: str | None, metadata: dict[str, str] | None) -> dict[str, str]:
+def request_tags(http: Request, metadata: dict[str, str] | None) -> dict[str, str]:
     """What a request's cost is tagged with beyond its tenant and model: OpenAI's ``metadata``, and
     the header ``X-Tokenmill-Tags: team=search,project=ranker`` (the header wins on a clash)."""
     tags = dict(metadata or {})
@@ -179,17 +175,17 @@ _GONE = object()
 class Generation:
     def __init__(self, state: ServerState, target: Target, http: Request, tenant: TenantConfig,
                  prompts: list[list[int]], params: SamplingParams, priority: int, cache_salt: str | None,
-                 arrival: float, user: str | None = None, tags: dict[str, str] | None = None,
-                 hold: BudgetHold | None = None) -> None:
-        """``hold``: a budget hold taken by the caller (a route running several attempts), which
-        the caller seals or cancels; without one, start() takes the hold and close() settles it."""
+                 arrival: float, user: str | None = None, tags: dict[str, str] | None = None) -> None:
+        """``user``, ``tags``: what its cost is attributed to beside tenant and model. It takes its own
+        budget hold in start() and settles it from close(), unless use_hold() hands it one."""
         self.state, self.target, self.http, self.tenant = state, target, http, tenant
         self.model = target.model
         self.lora = target.adapter
         """The LoRA adapter its requests run with (``ServerState.resolve_model``), None for the base model."""
         self.labels = CostLabels(tenant.name, self.model.name, tenant.key_sha256[:12].lower(), target.adapter,
                                  target.route, user, tuple(sorted((tags or {}).items())))
-        self.hold, self._own_hold = hold, hold is None
+        self.hold: BudgetHold | None = None
+        self._own_hold = True
         self.records: list[CostRecord] = []
         self.prompts, self.params, self.priority = prompts, params, priority
         self.arrival = arrival

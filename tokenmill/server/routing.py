@@ -59,7 +59,8 @@ from tokenmill.server.tenancy import TenantConfig
 logger = logging.getLogger("tokenmill.server")
 
 Prepare = Callable[..., Awaitable[Generation]]
-"""``prepare(target, route_logprobs=None, hold=None)``: the handler's Generation for a target, not started."""
+"""``prepare(target, route_logprobs=None)``: the handler's Generation for a target, not started (its
+logprobs at least ``route_logprobs`` when given: what a cascade judges the answer by)."""
 Respond = Callable[[Generation], Awaitable[Response]]
 """``respond(gen)``: the handler's response from a started generation (streamed or whole)."""
 

@@ -188,6 +188,29 @@ def test_budgets_hold_under_concurrency(tiny_llm, tmp_path):
         assert budgets["spent"] + budgets["overrun"] == pytest.approx(spent, rel=1e-6)
 
 
+def test_a_restarted_server_counts_the_cost_log_as_spent(tiny_llm, tmp_path):
+    path, log = tmp_path / "keys.json", tmp_path / "costs.jsonl"
+    path.write_text(json.dumps({"tenants": [
+        {"name": "capped", "key_sha256": hash_key("k1"), "budget": 0.05},
+        {"name": "ops", "key_sha256": hash_key("k2"), "admin": True}]}))
+    cost = CostConfig(price_per_hour=3600.0, reserve_prompt_per_1k=0.1, reserve_completion_per_1k=0.1,
+                      cost_log=str(log))
+
+    def ask(server):
+        return httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer k1"}, timeout=30,
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    with live_server(tiny_llm, api_keys=str(path), cost=cost) as server:
+        first = ask(server)
+        assert first.status_code == 200
+    spent = sum(json.loads(line)["cost"] for line in log.read_text().splitlines())
+    assert spent == pytest.approx(first.json()["usage"]["cost"], rel=1e-9)
+    log.write_text(log.read_text() + "not json\n" + json.dumps({"tenant": "capped", "cost": 0.05}) + "\n")
+    with live_server(tiny_llm, api_keys=str(path), cost=cost) as server:
+        assert _budget_metrics(server)["spent"] == pytest.approx(spent + 0.05, rel=1e-9)
+        refused = ask(server)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "budget_exceeded"
+
+
 def _budget_metrics(server) -> dict[str, float]:
     m = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer k2"}, timeout=10).text
     out = {}

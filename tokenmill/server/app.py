@@ -49,6 +49,8 @@ def create_state(models: LLM | dict[str, LLM], config: ServerConfig, cost: CostC
     tenancy = Tenancy.load(config.api_keys)
     meter = CostMeter(cost.price_per_hour, cost.model_price_map(), cost.cost_log)
     budgets = BudgetBook(tenancy.tenants)
+    if cost.cost_log:
+        budgets.restore(cost.cost_log)
     metrics = ServerMetrics(tenancy, meter, budgets)
     served = {name: ServedModel.of(name, llm, config) for name, llm in models.items()}
     for name, seconds in (load_seconds or {}).items():

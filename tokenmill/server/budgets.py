@@ -17,14 +17,18 @@ A tenant's ``budget`` (keys file) bounds what its requests may be charged in tot
 
 Holds are taken on the event loop and settled in the engine thread (the meter closes records
 there), hence the lock. Crossing ``budget_soft_limit`` logs one warning per tenant and counts
-an alert in /metrics. Spending lives in memory (``cost_log`` keeps the records across restarts).
+an alert in /metrics. Spending lives in memory; with ``cost_log`` a restarted server reads its
+records back (:meth:`BudgetBook.restore`), counting each request's measured cost as spent (its
+charge could only have been lower: a conservative restart, never an overshoot).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tokenmill.server.admission import Rejected
 from tokenmill.server.tenancy import TenantConfig
@@ -83,6 +87,26 @@ class BudgetBook:
 
     def __contains__(self, tenant: str) -> bool:
         return tenant in self.tenants
+
+    def restore(self, cost_log: str | Path) -> int:
+        """Count the records of a cost log (cost.py's JSON lines) as spent by their tenants -> how
+        many were read; a missing file is an empty log, an unreadable line is skipped with a warning."""
+        path = Path(cost_log)
+        if not path.exists():
+            return 0
+        read = 0
+        with self.lock:
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                try:
+                    entry = json.loads(line)
+                    tenant, cost = entry["tenant"], float(entry["cost"])
+                except (ValueError, KeyError, TypeError):
+                    logger.warning("%s:%d is not a cost record; skipped", path, number)
+                    continue
+                read += 1
+                if tenant in self.tenants:
+                    self.tenants[tenant].spent += cost
+        return read
 
     def hold(self, tenant: TenantConfig, amount: float) -> BudgetHold | None:
         """Hold ``amount`` of the tenant's budget (None for a tenant without one), or raise Rejected 429."""

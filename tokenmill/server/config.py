@@ -98,7 +98,9 @@ class CostConfig(Config):
         None, "price per 1k completion tokens (max_tokens of every sample) a budget hold assumes (default: "
               "measured, times reserve_margin)")
     reserve_margin: float = option(2.0, "factor on measured rates for budget holds when no rate is configured")
-    cost_log: str | None = option(None, "append every request's cost record to this JSON-lines file", metavar="FILE")
+    cost_log: str | None = option(
+        None, "append every request's cost record to this JSON-lines file; read back at start, where budgets count "
+              "it as spent", metavar="FILE")
     slo_ttft: float | None = option(None, "time-to-first-token objective in seconds (SLO compliance per tenant)")
     slo_tpot: float | None = option(None, "time-per-output-token objective in seconds (SLO compliance per tenant)")
 

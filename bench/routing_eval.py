@@ -145,13 +145,13 @@ def plot(points: list[dict], path: Path, title: str) -> Path:
     front = frontier(points)
     ax.plot([p["cost_per_1k_requests"] for p in front], [100 * p["accuracy"] for p in front], "-", color="tab:blue",
             label="Pareto frontier", zorder=1)
-    for p in points:
+    for i, p in enumerate(sorted(points, key=lambda p: (p["accuracy"], p["cost_per_1k_requests"]))):
         kind = p["policy"].split("@")[0].split(":")[0]
         color = {"cheap-only": "tab:red", "strong-only": "tab:green", "rule": "tab:purple", "cascade": "tab:orange",
                  "learned": "tab:brown"}.get(kind, "gray")
         ax.scatter(p["cost_per_1k_requests"], 100 * p["accuracy"], color=color, zorder=2)
         ax.annotate(p["policy"], (p["cost_per_1k_requests"], 100 * p["accuracy"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=8)
+                    xytext=(5, 4 if i % 2 else -11), fontsize=8)  # alternate sides: neighbours stay legible
     ax.set_xlabel("measured cost per 1k requests (price-per-hour units)")
     ax.set_ylabel("accuracy (%)")
     ax.set_title(title, fontsize=10)

@@ -262,15 +262,14 @@ class AsyncEngine:
                 self._fail_all("shutdown", "the server is shutting down")
                 self._publish_snapshots()
                 return
-            self._expire_deadlines()
-            busy = False
-            for name, engine in list(self.engines.items()):
-                if engine.has_unfinished_requests():
-                    busy = True
-                    self._step(name, engine)
+            touched = self._expire_deadlines()
+            busy = [(name, engine) for name, engine in self.engines.items() if engine.has_unfinished_requests()]
+            for name, engine in busy:
+                self._step(name, engine)
             if not busy and self._tracked:  # cannot happen by the engine's contract; never leave a handler hanging
                 self._fail_all("engine", "the engine dropped the request")
-            self._publish_snapshots()
+            # a model's snapshot changes only when it stepped or a command or deadline reached it
+            self._publish_snapshots(None if commands or not busy else touched | {name for name, _ in busy})
 
     def _warm_up(self, name: str, engine: LLMEngine) -> None:
         start = time.perf_counter()
@@ -325,10 +324,13 @@ class AsyncEngine:
             self.engines[tracked.model].abort(request_id)
         self.meter.close(request_id)
 
-    def _expire_deadlines(self) -> None:
+    def _expire_deadlines(self) -> set[str]:
+        """Abort the requests past their deadline -> the models they ran on."""
         now = time.monotonic()
-        for request_id in [r for r, t in self._tracked.items() if t.deadline <= now]:
+        expired = [(r, t.model) for r, t in self._tracked.items() if t.deadline <= now]
+        for request_id, _ in expired:
             self._finish_with_error(request_id, "deadline", "the request passed its deadline and was aborted")
+        return {model for _, model in expired}
 
     def _fail_all(self, error: str, message: str, model: str | None = None) -> None:
         for request_id in [r for r, t in self._tracked.items() if model is None or t.model == model]:
@@ -363,8 +365,11 @@ class AsyncEngine:
                 self.meter.close(delta.request_id)
             tracked.sink(EngineUpdate(delta.request_id, delta, delta.finished))
 
-    def _publish_snapshots(self) -> None:
+    def _publish_snapshots(self, names: set[str] | None = None) -> None:
+        """Take and hand out the snapshots of the models ``names`` (None: every one)."""
         for name, engine in list(self.engines.items()):
+            if names is not None and name not in names:
+                continue
             snapshot = self.snapshots[name] = engine.snapshot()
             if self.on_snapshot is not None:
                 try:

@@ -140,6 +140,8 @@ class CostMeter:
         self._models: dict[str, _ModelTotals] = {}
         self._closed_total = 0.0
         self._cost_log = Path(cost_log) if cost_log else None
+        self._cost_log_file = None
+        """The log, opened on the first record and kept open (one write per record, in the engine thread)."""
 
     def price(self, model: str | None = None) -> float:
         """Currency per second of ``model``'s steps (the server's price for None or no override)."""
@@ -177,8 +179,9 @@ class CostMeter:
                 logger.exception("settling the cost of %s failed", request_id)
         if self._cost_log is not None:
             try:
-                with self._cost_log.open("a") as f:
-                    f.write(json.dumps(record.row()) + "\n")
+                if self._cost_log_file is None:
+                    self._cost_log_file = self._cost_log.open("a", buffering=1)  # line-buffered: whole records
+                self._cost_log_file.write(json.dumps(record.row()) + "\n")
             except OSError:
                 logger.exception("cannot append to the cost log %s", self._cost_log)
         return record
@@ -201,8 +204,8 @@ class CostMeter:
             if not flops:
                 self.lines[OVERHEAD] = self.lines.get(OVERHEAD, 0.0) + amount
                 return
+            share = amount / flops
             for w, record in items:
-                share = amount / flops
                 for kind in KINDS:
                     record.cost[kind] += share * getattr(w, kind)
                 key = (record.labels.model, record.labels.tenant)

@@ -41,6 +41,7 @@ LAYERS: list[set[str]] = [
     {"tokenmill.routing"},                         # model routing's learned router (features, training)
     {"tokenmill.server", "tokenmill.benchmark"},
     {"tokenmill.costplan"},                        # cost planning over the offline benchmark
+    {"tokenmill.scaleout"},                        # replicas on Ray Serve behind the server's front
     {"tokenmill.commands"},                        # one module per CLI command family
     {"tokenmill.cli"},
     {"tokenmill", "tokenmill.__main__"},

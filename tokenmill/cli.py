@@ -6,6 +6,7 @@ Errors the user can fix print one line (``error: ...``) and exit with status 2, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Sequence
 
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve_parser(sub) -> None:
+    from tokenmill.scaleout.config import ScaleOutConfig
     from tokenmill.server.config import CostConfig, ServerConfig
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
@@ -84,6 +86,7 @@ def _serve_parser(sub) -> None:
     add_engine_options(serve)
     add_option_group(serve, ServerConfig)
     add_option_group(serve, CostConfig)
+    add_option_group(serve, ScaleOutConfig)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -147,6 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from tokenmill.options import from_namespace
+    from tokenmill.scaleout.config import ScaleOutConfig
     from tokenmill.server.config import CostConfig, ServerConfig
     from tokenmill.server.model_pool import ModelLoader, ModelSpec
     from tokenmill.server.serve import serve
@@ -161,6 +165,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if len(specs) > 1 and config.served_model_name:
         raise TokenmillError("--served-model-name names one model; with several, give each as --model NAME=SOURCE")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    scale = from_namespace(ScaleOutConfig, args)
+    if scale.replicas:
+        return _serve_replicas(specs, args, config, cost, scale)
     loader = ModelLoader(_llm_options(args), config.spare_kv_cache_memory)
     models, seconds = {}, {}
     for spec in specs:
@@ -170,6 +177,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise TokenmillError(f"two models are named {name!r}: name them with --model NAME=SOURCE")
         models[name], seconds[name] = llm, took
     serve(models, config, cost, loader, seconds)
+    return 0
+
+
+def _serve_replicas(specs, args: argparse.Namespace, config, cost, scale) -> int:
+    """``tokenmill serve --replicas N``: the model on N Ray Serve replicas behind this process's endpoint."""
+    from tokenmill.scaleout.deploy import launch
+    from tokenmill.server.serve import run
+
+    if len(specs) != 1:
+        raise TokenmillError("--replicas serves one model; give one --model")
+    if specs[0].name and not config.served_model_name:
+        config = dataclasses.replace(config, served_model_name=specs[0].name)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise TokenmillError("--replicas runs on Ray Serve: pip install 'tokenmill[scaleout]'") from None
+    from tokenmill.scaleout.deploy import stop
+
+    try:
+        run(launch(specs[0].source, _llm_options(args), config, cost, scale))
+    finally:
+        stop()  # the replicas this front started (a cluster of its own stops with the process anyway)
     return 0
 
 

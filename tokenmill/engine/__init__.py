@@ -13,8 +13,9 @@ from tokenmill.engine.config import (
     add_engine_options,
     free_memory,
 )
+from tokenmill.engine.block_pool import BlockHasher
 from tokenmill.engine.limits import PromptLimits
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.llm_engine import LLMEngine, adapter_salt
 from tokenmill.engine.outputs import (
     CompletionOutput,
     OutputAccumulator,
@@ -28,8 +29,8 @@ from tokenmill.engine.stats import EngineSnapshot, StepStats
 from tokenmill.engine.work import SequenceWork
 
 __all__ = [
-    "ENGINE_OPTIONS", "CacheConfig", "CompletionOutput", "EngineConfig", "EngineSnapshot", "LLMEngine",
+    "ENGINE_OPTIONS", "BlockHasher", "CacheConfig", "CompletionOutput", "EngineConfig", "EngineSnapshot", "LLMEngine",
     "OutputAccumulator", "PromptLimits", "Request", "RequestDelta", "RequestOutput", "SampleDelta",
-    "SchedulerConfig", "SequenceWork", "SpeculativeConfig", "StepStats", "TokenLogprobs", "add_engine_options",
-    "free_memory",
+    "SchedulerConfig", "SequenceWork", "SpeculativeConfig", "StepStats", "TokenLogprobs", "adapter_salt",
+    "add_engine_options", "free_memory",
 ]

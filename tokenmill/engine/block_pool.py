@@ -36,15 +36,12 @@ Invariants, enforced here:
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-_ROOT_HASH = int.from_bytes(os.urandom(8), "little")
-"""Parent hash of every sequence's first block; random per process, so clients cannot predict hashes."""
-
-
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+class BlockHasher:
     """The identity of a full block: a hash chained over every token before it, and the salt.
 
     ::
@@ -59,16 +56,59 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | 
     salt), so the KV the block holds can be reused. The salt (a tenant or cache-isolation
     key) makes a block from another salt a miss even when its tokens agree.
 
-    Collision risk, and the choice made: this is Python's builtin ``hash`` of a tuple (xxHash
-    based, about 61 bits once chained). It is fast, and fine within one process, which is
-    where the cache lives; hashes are never stored or compared across processes. With N
-    cached blocks the chance that any two collide is about N**2 / 2**62 (1e-10 at a million
-    blocks); a collision would serve one block's KV for another's tokens. The chain starts
-    from a random per-process root, so a client cannot compute hashes to craft a collision
-    on purpose. If hashes ever have to be stable across processes, or the threat model
-    grows, replace this with a keyed cryptographic digest (for example blake2b).
+    Collision risk, and the choice made: ``H`` is Python's builtin ``hash`` of a tuple of ints
+    (xxHash based, about 61 bits once chained): fast on the hot path. With N cached blocks the
+    chance that any two collide is about N**2 / 2**62 (1e-10 at a million blocks); a collision
+    would serve one block's KV for another's tokens. The chain starts from a root derived from
+    a secret ``key`` and the salt enters as a keyed blake2b digest of it, so a client cannot
+    compute hashes to craft a collision on purpose.
+
+    The key is random per process by default. Processes given the same key (``CacheConfig.
+    prefix_hash_key``; a scale-out front and its replicas, tokenmill/scaleout/) compute the same
+    hashes for the same tokens and salt: Python hashes ints and tuples of ints identically in
+    every process of one build (only str and bytes hashing is randomized, and the salt enters
+    as an int), so a router can match a request's blocks against a replica's cached ones.
     """
-    return hash((_ROOT_HASH if parent_hash is None else parent_hash, token_ids, salt))
+
+    def __init__(self, key: bytes | str | None = None) -> None:
+        key = os.urandom(16) if key is None else key.encode() if isinstance(key, str) else key
+        self._key = hashlib.blake2b(key, digest_size=32).digest()  # any length in, blake2b's key size out
+        self.root = self._digest(b"root")
+        self._salts: dict[str, int] = {}
+
+    def _digest(self, data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, key=self._key, digest_size=8).digest(), "little")
+
+    def salt_id(self, salt: str | None) -> int | None:
+        """The salt as the int that enters the hash (memoized)."""
+        if salt is None:
+            return None
+        value = self._salts.get(salt)
+        if value is None:
+            if len(self._salts) > 65536:
+                self._salts.clear()
+            value = self._salts[salt] = self._digest(b"salt\0" + salt.encode())
+        return value
+
+    def __call__(self, parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+        return hash((self.root if parent_hash is None else parent_hash, token_ids, self.salt_id(salt)))
+
+    def chain(self, token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+        """The hashes of every full block of ``token_ids``, in order."""
+        hashes, parent = [], None
+        for i in range(len(token_ids) // block_size):
+            parent = self(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), salt)
+            hashes.append(parent)
+        return hashes
+
+
+PROCESS_HASHER = BlockHasher()
+"""The default hasher: a random key per process (hashes never leave it)."""
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+    """:class:`BlockHasher` with this process's random key."""
+    return PROCESS_HASHER(parent_hash, token_ids, salt)
 
 
 @dataclass(slots=True, eq=False)

@@ -60,6 +60,9 @@ class CacheConfig(Config):
     kv_cache_dtype: str = option(
         "auto", "how keys and values are stored: auto (the model's dtype), int8 or fp8 (e4m3), each row with a "
         "float16 scale: about 1.9x the tokens of bfloat16", choices=KV_CACHE_DTYPES)
+    prefix_hash_key: str | None = option(
+        None, "a secret that makes prefix-cache block hashes equal in every process given it (a scale-out router "
+              "matches requests to replicas' cached blocks by them); unset: random per process")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

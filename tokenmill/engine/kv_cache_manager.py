@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from tokenmill.engine.block_pool import Block, BlockPool, hash_block
+from tokenmill.engine.block_pool import PROCESS_HASHER, Block, BlockHasher, BlockPool
 from tokenmill.engine.config import CacheConfig
 
 
@@ -96,7 +96,7 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, hasher: BlockHasher = PROCESS_HASHER) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -104,6 +104,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = hasher
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._null = self.pool.null_block
         self._seqs: dict[str, _SeqBlocks] = {}
@@ -289,7 +290,7 @@ class KVCacheManager:
         bs = self.block_size
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
-            parent = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]), salt)
+            parent = self.hasher(parent, tuple(token_ids[i * bs:(i + 1) * bs]), salt)
             hashes.append(parent)
         return hashes
 

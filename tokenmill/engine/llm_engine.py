@@ -24,6 +24,7 @@ from tokenmill.attention.kv_quant import storage_dtype
 from tokenmill.config import layer_groups
 from tokenmill.allocator import keep_large_buffers
 from tokenmill.engine.config import CacheConfig, EngineConfig
+from tokenmill.engine.block_pool import PROCESS_HASHER, BlockHasher
 from tokenmill.engine.kv_cache_manager import KVCacheCoordinator, KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, SequenceInput
 from tokenmill.engine.limits import PromptLimits
@@ -46,6 +47,11 @@ from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.engine")
 
+
+
+def adapter_salt(cache_salt: str | None, content_hash: str) -> str:
+    """The prefix-cache salt of a request run with a LoRA adapter (its KV differs from the base model's)."""
+    return f"{cache_salt}\0lora:{content_hash}"
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, device: torch.device, config: EngineConfig = EngineConfig(),
@@ -97,7 +103,8 @@ class LLMEngine:
                                                          mc.num_kv_heads, mc.head_dim, kv_dtype, n) for n in per_group]
         if min(num_blocks) < 2:
             raise InvalidParameterError(f"kv_cache_memory of {budget} bytes holds no KV block; raise it")
-        managers = [KVCacheManager(n, cfg.block_size, cfg.enable_prefix_caching, w)
+        self.block_hasher = PROCESS_HASHER if cfg.prefix_hash_key is None else BlockHasher(cfg.prefix_hash_key)
+        managers = [KVCacheManager(n, cfg.block_size, cfg.enable_prefix_caching, w, self.block_hasher)
                     for n, w in zip(num_blocks, windows)]
         cache = PagedKVCache(num_blocks, cfg.block_size, groups, mc.num_kv_heads, mc.head_dim, dtype, device,
                              cfg.kv_cache_dtype)
@@ -122,7 +129,7 @@ class LLMEngine:
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
         now = time.monotonic()
         if adapter is not None:  # a different adapter's KV differs: never shared through the prefix cache
-            cache_salt = f"{cache_salt}\0lora:{adapter.content_hash}"
+            cache_salt = adapter_salt(cache_salt, adapter.content_hash)
         sequences = [self._new_sequence(request_id, i, ids, params, priority, cache_salt, now)
                      for i in range(params.n)]
         for seq in sequences:
@@ -211,6 +218,12 @@ class LLMEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV pool (every block of every group)."""
         return self.runner.cache.nbytes
+
+    def cached_block_hashes(self) -> list[int]:
+        """The hashes of the full blocks the prefix cache holds (held or free, not yet evicted), of
+        the first KV group: what a scale-out router matches requests against (``block_hasher``
+        computes a request's)."""
+        return list(self.kv.groups[0].pool.cached)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -46,17 +46,28 @@ def create_state(models: LLM | dict[str, LLM], config: ServerConfig, cost: CostC
     cost = cost or CostConfig()
     for adapter, path in config.lora_module_paths():
         next(iter(models.values())).load_lora(adapter, path)
+    served = {name: ServedModel.of(name, llm, config) for name, llm in models.items()}
+    for name, seconds in (load_seconds or {}).items():
+        served[name].cold_start = seconds
+
+    def engine_of(meter: CostMeter, metrics: ServerMetrics) -> AsyncEngine:
+        return AsyncEngine({name: m.engine for name, m in served.items()}, on_snapshot=metrics.observe_snapshot,
+                           meter=meter)
+    return assemble_state(served, engine_of, config, cost, loader)
+
+
+def assemble_state(served: dict[str, ServedModel], engine_of, config: ServerConfig, cost: CostConfig,
+                   loader: ModelLoader | None = None) -> ServerState:
+    """The state around served models and their engine: ``engine_of(meter, metrics)`` builds the
+    engine (the local AsyncEngine, or a scale-out front's RemoteEngine) once the tenants, cost
+    meter, budgets and metrics exist. Every model is ``warming`` until the engine says otherwise."""
     tenancy = Tenancy.load(config.api_keys)
     meter = CostMeter(cost.price_per_hour, cost.model_price_map(), cost.cost_log)
     budgets = BudgetBook(tenancy.tenants)
     if cost.cost_log:
         budgets.restore(cost.cost_log)
     metrics = ServerMetrics(tenancy, meter, budgets)
-    served = {name: ServedModel.of(name, llm, config) for name, llm in models.items()}
-    for name, seconds in (load_seconds or {}).items():
-        served[name].cold_start = seconds
-    engine = AsyncEngine({name: m.engine for name, m in served.items()}, on_snapshot=metrics.observe_snapshot,
-                         meter=meter)
+    engine = engine_of(meter, metrics)
     routes = load_routes(config.routes, list(served)) if config.routes else {}
     state = ServerState(config, engine, served, tenancy, metrics, cost, meter, budgets, loader=loader, routes=routes)
 

@@ -157,10 +157,12 @@ class AsyncEngine:
 
     def add(self, model: str, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
             deadline: float, priority: int = 0, cache_salt: str | None = None, lora: str | None = None,
-            record: CostRecord | None = None) -> None:
+            record: CostRecord | None = None, hold_updates: bool = False) -> None:
         """Queue a request for ``model``; its updates go to ``queue`` (put from the engine thread,
         thread-safely). ``lora``: the name of the LoRA adapter it runs with; ``record``: where its
-        cost is charged (opened when the engine takes it, closed when it leaves)."""
+        cost is charged (opened when the engine takes it, closed when it leaves). ``hold_updates``
+        (its client sees nothing before it finished) matters only to a remote engine, which may
+        then retry it elsewhere (scaleout/remote.py); here every update goes out as it comes."""
         loop = asyncio.get_running_loop()
 
         def sink(update: EngineUpdate) -> None:

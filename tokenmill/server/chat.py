@@ -132,7 +132,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         logprobs = num_top if route_logprobs is None else max(num_top or 0, route_logprobs)
         params = sampling_params(body, max_tokens, logprobs)
         return Generation(state, target, request, tenant, [ids], params, body.priority, body.cache_salt, arrival,
-                          body.user, tags)
+                          body.user, tags, stream=bool(body.stream))
 
     async def respond(gen: Generation) -> Response:
         model = gen.target.name if gen.target.route or body.model is None else body.model

@@ -113,7 +113,7 @@ async def create_completion(body: CompletionRequest, request: Request,
         logprobs = body.logprobs if route_logprobs is None else max(body.logprobs or 0, route_logprobs)
         params = sampling_params(body, max_tokens, logprobs, prompt_logprobs=echo_logprobs)
         return Generation(state, target, request, tenant, prompts, params, body.priority, body.cache_salt, arrival,
-                          body.user, tags)
+                          body.user, tags, stream=bool(body.stream))
 
     async def respond(gen: Generation) -> Response:
         texts, prompts = prepared[gen.model.name]

@@ -175,9 +175,13 @@ _GONE = object()
 class Generation:
     def __init__(self, state: ServerState, target: Target, http: Request, tenant: TenantConfig,
                  prompts: list[list[int]], params: SamplingParams, priority: int, cache_salt: str | None,
-                 arrival: float, user: str | None = None, tags: dict[str, str] | None = None) -> None:
-        """``user``, ``tags``: what its cost is attributed to beside tenant and model. It takes its own
+                 arrival: float, user: str | None = None, tags: dict[str, str] | None = None,
+                 stream: bool = False) -> None:
+        """``user``, ``tags``: what its cost is attributed to beside tenant and model; ``stream``:
+        its response streams (else nothing reaches the client before it finished, so the engine
+        may hold its updates and retry it elsewhere: scale-out's RemoteEngine). It takes its own
         budget hold in start() and settles it from close(), unless use_hold() hands it one."""
+        self.stream = stream
         self.state, self.target, self.http, self.tenant = state, target, http, tenant
         self.model = target.model
         self.lora = target.adapter
@@ -308,7 +312,7 @@ class Generation:
                 record.on_close = lambda r, hold=self.hold: hold.close_part(r.total)
             self.records.append(record)
             state.engine.add(name, request_id, ids, self.params, self.queue, self.deadline, self.priority,
-                             self.cache_salt, self.lora, record)
+                             self.cache_salt, self.lora, record, hold_updates=not self.stream)
             self.unfinished.add(request_id)
         self._watcher = asyncio.create_task(self._watch_disconnect())
 

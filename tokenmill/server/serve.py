@@ -59,7 +59,13 @@ def serve(models: LLM | dict[str, LLM], config: ServerConfig, cost: CostConfig |
     this (the main) thread, where the models were loaded, and uvicorn serves HTTP from a second
     thread (why: AsyncEngine's docstring). Signals arrive in the main thread and go to the
     server's drain logic."""
-    state = create_state(models, config, cost, loader, load_seconds)
+    run(create_state(models, config, cost, loader, load_seconds))
+
+
+def run(state: ServerState) -> None:
+    """Serve ``state``'s app until SIGTERM/SIGINT: HTTP from a second thread, the engine's
+    ``run_here`` in this one (a scale-out front's RemoteEngine only waits there)."""
+    config = state.config
     sys.setswitchinterval(0.001)  # the engine holds the GIL in its Python parts; hand it over sooner
     uv = uvicorn_config(build_app(state), config, log_level="info", timeout_graceful_shutdown=5)
     server = DrainingServer(uv, state)

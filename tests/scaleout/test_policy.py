@@ -1,0 +1,103 @@
+"""Prefix-aware routing (policy.py) and the block hashes it matches: pure, no Ray."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.engine import BlockHasher
+from tokenmill.scaleout.policy import (Decision, PrefixAwarePolicy, PrefixIndex, ReplicaView, RoundRobinPolicy,
+                                       matched_blocks)
+
+
+def test_matched_blocks_is_the_leading_run() -> None:
+    assert matched_blocks([1, 2, 3, 4], {1, 2, 4}) == 2
+    assert matched_blocks([1, 2, 3], {2, 3}) == 0
+    assert matched_blocks([], {1}) == 0
+
+
+def test_longest_cached_prefix_wins_among_replicas_not_overloaded() -> None:
+    policy = PrefixAwarePolicy(max_imbalance=5, seed=0)
+    hashes = [10, 11, 12, 13]
+    replicas = [ReplicaView("a", 3, frozenset({10, 11})), ReplicaView("b", 5, frozenset({10, 11, 12})),
+                ReplicaView("c", 0, frozenset())]
+    decision = policy.choose(hashes, replicas)
+    assert (decision.replica_id, decision.reason, decision.matched_blocks) == ("b", "prefix", 3)
+    # b now more than max_imbalance busier than the idlest: the next-longest holder takes it
+    busy = [replicas[0], ReplicaView("b", 9, replicas[1].cached), replicas[2]]
+    assert policy.choose(hashes, busy).replica_id == "a"
+    # ties on the match: the shorter queue
+    tie = [ReplicaView("a", 2, frozenset({10})), ReplicaView("b", 1, frozenset({10}))]
+    assert policy.choose(hashes, tie).replica_id == "b"
+
+
+def test_no_holder_falls_back_to_power_of_two_choices() -> None:
+    policy = PrefixAwarePolicy(max_imbalance=0, seed=1)
+    replicas = [ReplicaView(str(i), queue=i, cached=frozenset()) for i in range(4)]
+    picks = [policy.choose([1, 2], replicas) for _ in range(400)]
+    assert {d.reason for d in picks} == {"spread"}
+    counts = {r.replica_id: sum(d.replica_id == r.replica_id for d in picks) for r in replicas}
+    # two at random, the shorter queue wins: replica 0 wins whenever drawn (half the draws), 3 never
+    assert counts["3"] == 0 and counts["0"] > counts["1"] > counts["2"] > 0
+    # a holder passed over for its queue is a 'balance' decision
+    held = [ReplicaView("a", 20, frozenset({1})), ReplicaView("b", 0, frozenset())]
+    assert policy.choose([1, 2], held) == Decision("b", "balance", 0)
+
+
+def test_round_robin_cycles_whatever_is_cached() -> None:
+    policy = RoundRobinPolicy()
+    replicas = [ReplicaView("b", 0, frozenset({1})), ReplicaView("a", 0, frozenset())]
+    assert [policy.choose([1], replicas).replica_id for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_index_follows_reports_and_forgets_unconfirmed_routes() -> None:
+    index = PrefixIndex(optimistic_ttl=1.0)
+
+    def held(rid: str, now: float) -> set[int]:
+        view = index.views([rid], now)[0]
+        return {h for h in range(10) if h in view.cached}
+    index.report("a", [1, 2], queue=1)
+    index.routed("a", [7, 8], now=10.0)
+    views = index.views(["a", "b"], now=10.5)
+    assert views[0].queue == 2 and held("a", 10.5) == {1, 2, 7, 8} and held("b", 10.5) == set()
+    index.report("a", [2], queue=0, now=10.6)  # evicted 1; 7, 8 not confirmed yet but within the ttl
+    assert held("a", 10.9) == {2, 7, 8}
+    assert held("a", 11.5) == {2}  # past the ttl: only what it reported
+    index.forget("a")
+    assert held("a", 12.0) == set()
+
+
+def test_block_hashes_agree_across_processes_with_one_key() -> None:
+    """The front computes a request's hashes in its process, replicas theirs: with the same key they
+    must agree, whatever each process's str-hash seed."""
+    tokens = list(range(100))
+    here = BlockHasher("secret").chain(tokens, 16, "tenant-a")
+    code = ("from tokenmill.engine import BlockHasher; "
+            "print(BlockHasher('secret').chain(list(range(100)), 16, 'tenant-a'))")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert eval(out.stdout) == here
+    assert len(here) == 6
+    assert BlockHasher("other").chain(tokens, 16, "tenant-a") != here
+    assert BlockHasher("secret").chain(tokens, 16, "tenant-b")[0] != here[0]
+    assert BlockHasher("secret").chain(tokens, 16, None)[0] != here[0]
+
+
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_an_engine_caches_the_blocks_the_front_predicts(tiny_dir, salt) -> None:
+    """What a replica reports (cached_block_hashes) contains exactly the chain a front computes."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=2, kv_cache_memory=2**20,
+              prefix_hash_key="k")
+    engine = llm.engine
+    prompt = list(range(40, 90))
+    engine.add_request(prompt, SamplingParams(max_tokens=1), cache_salt=salt)
+    while engine.has_unfinished_requests():
+        engine.step()
+    predicted = BlockHasher("k").chain(prompt, engine.config.cache.block_size, salt)
+    assert len(predicted) == 3 and set(predicted) <= set(engine.cached_block_hashes())

@@ -1,0 +1,210 @@
+"""Which replica serves a request: prefix-aware routing, and the round-robin it is measured against.
+
+A replica reports the hashes of the KV blocks its prefix cache holds (``LLMEngine.
+cached_block_hashes``, the same hashes its engine looks up, made equal across processes by a
+shared ``prefix_hash_key``) and its queue depth. A request's hashes are its prompt's full blocks,
+chained with its tenant's cache salt and its adapter (``BlockHasher.chain``), so a match is a
+block the replica would really reuse for this tenant and adapter, never another's::
+
+    request   h0 h1 h2 h3 h4            replica A holds h0 h1 h2 ..   -> 3 blocks match
+                                        replica B holds h0 ..         -> 1
+                                        replica C holds nothing       -> 0
+
+:meth:`PrefixAwarePolicy.choose`:
+
+1. each replica's match is the leading run of the request's hashes it holds;
+2. replicas whose queue is more than ``max_imbalance`` longer than the shortest are not
+   eligible (a cached prefix is not worth waiting behind a full batch);
+3. the eligible replica with the longest match wins (ties: the shorter queue) -> ``prefix``;
+4. no eligible replica holds any block: power of two choices, two replicas at random, the
+   shorter queue wins -> ``spread`` (or ``balance`` when a replica that held a prefix was
+   passed over for its queue).
+
+:class:`PrefixIndex` keeps what each replica reported, plus the requests routed to it since
+(their blocks will be there once prefilled): a burst of requests sharing a new prefix follows
+the first one before the replica's next report. Those optimistic entries expire after
+``optimistic_ttl`` seconds, so after a replica evicts a prefix, routing follows its reports.
+
+Pure: no Ray, no clocks of its own (times are passed in); the Ray request router
+(ray_router.py) and the simulator (simulate.py) both run it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, field
+
+REASONS = ("prefix", "balance", "spread", "round_robin")
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the router knows of one replica when it routes a request."""
+
+    replica_id: str
+    queue: int
+    """Requests at the replica (running or waiting), as last known."""
+    cached: Container[int] = frozenset()
+    """Block hashes it holds (reported, plus routed since): anything ``in`` answers."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica_id: str
+    reason: str
+    """One of REASONS."""
+    matched_blocks: int
+    """Leading blocks of the request the chosen replica holds."""
+
+
+def matched_blocks(hashes: Sequence[int], cached: Container[int]) -> int:
+    """How many of ``hashes``, from the first, ``cached`` holds (a chain: the first miss ends it)."""
+    n = 0
+    for h in hashes:
+        if h not in cached:
+            break
+        n += 1
+    return n
+
+
+class PrefixAwarePolicy:
+    """Longest cached prefix among replicas not overloaded; else power of two choices."""
+
+    name = "prefix"
+
+    def __init__(self, max_imbalance: int = 8, seed: int | None = None) -> None:
+        if max_imbalance < 0:
+            raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance}")
+        self.max_imbalance = max_imbalance
+        self._rng = random.Random(seed)
+
+    def choose(self, hashes: Sequence[int], replicas: Sequence[ReplicaView]) -> Decision:
+        if not replicas:
+            raise ValueError("no replica to route to")
+        shortest = min(r.queue for r in replicas)
+        matches = {r.replica_id: matched_blocks(hashes, r.cached) for r in replicas}
+        eligible = [r for r in replicas if r.queue - shortest <= self.max_imbalance]
+        best = max(eligible, key=lambda r: (matches[r.replica_id], -r.queue))
+        if matches[best.replica_id] > 0:
+            return Decision(best.replica_id, "prefix", matches[best.replica_id])
+        passed_over = any(matches[r.replica_id] > 0 for r in replicas)
+        pair = self._rng.sample(list(replicas), min(2, len(replicas)))
+        pick = min(pair, key=lambda r: r.queue)
+        return Decision(pick.replica_id, "balance" if passed_over else "spread", matches[pick.replica_id])
+
+
+class RoundRobinPolicy:
+    """Each replica in turn, whatever it holds: the baseline prefix-aware routing is measured against."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, hashes: Sequence[int], replicas: Sequence[ReplicaView]) -> Decision:
+        if not replicas:
+            raise ValueError("no replica to route to")
+        ordered = sorted(replicas, key=lambda r: r.replica_id)
+        pick = ordered[self._next % len(ordered)]
+        self._next += 1
+        return Decision(pick.replica_id, "round_robin", matched_blocks(hashes, pick.cached))
+
+
+POLICIES = {"prefix": PrefixAwarePolicy, "round_robin": RoundRobinPolicy}
+
+
+def make_policy(name: str, **kwargs) -> PrefixAwarePolicy | RoundRobinPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name](**kwargs) if name == "prefix" else POLICIES[name]()
+
+
+@dataclass
+class _Replica:
+    reported: frozenset[int] = frozenset()
+    queue: int = 0
+    routed: dict[int, float] = field(default_factory=dict)
+    """Hashes of requests routed here since, by when they were routed."""
+    in_flight: int = 0
+    """Requests routed here since the last report (added to its reported queue)."""
+
+
+class _Held:
+    """What a replica holds, as the router believes: its report, plus recent routes (no copy made)."""
+
+    __slots__ = ("reported", "routed", "horizon")
+
+    def __init__(self, reported: frozenset[int], routed: dict[int, float], horizon: float) -> None:
+        self.reported, self.routed, self.horizon = reported, routed, horizon
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.reported or self.routed.get(h, self.horizon) > self.horizon
+
+
+class PrefixIndex:
+    """Per replica: the block hashes and queue it last reported, plus what was routed to it since."""
+
+    def __init__(self, optimistic_ttl: float = 2.0) -> None:
+        self.optimistic_ttl = optimistic_ttl
+        self._replicas: dict[str, _Replica] = {}
+
+    def report(self, replica_id: str, hashes: Sequence[int] | frozenset[int], queue: int,
+               now: float | None = None) -> None:
+        """A replica's own report replaces what it held (evicted blocks drop out) and its queue;
+        ``now``: also drop its routes older than the ttl."""
+        replica = self._replicas.setdefault(replica_id, _Replica())
+        replica.reported = hashes if isinstance(hashes, frozenset) else frozenset(hashes)
+        replica.queue, replica.in_flight = queue, 0
+        if now is not None and replica.routed:
+            horizon = now - self.optimistic_ttl
+            replica.routed = {h: t for h, t in replica.routed.items() if t > horizon}
+
+    def routed(self, replica_id: str, hashes: Sequence[int], now: float) -> None:
+        replica = self._replicas.setdefault(replica_id, _Replica())
+        for h in hashes:
+            replica.routed[h] = now
+        replica.in_flight += 1
+
+    def forget(self, replica_id: str) -> None:
+        self._replicas.pop(replica_id, None)
+
+    def views(self, replica_ids: Sequence[str], now: float) -> list[ReplicaView]:
+        horizon = now - self.optimistic_ttl
+        views = []
+        for rid in replica_ids:
+            replica = self._replicas.get(rid)
+            if replica is None:
+                replica = self._replicas[rid] = _Replica()
+            views.append(ReplicaView(rid, replica.queue + replica.in_flight,
+                                     _Held(replica.reported, replica.routed, horizon)))
+        return views
+
+
+@dataclass
+class RoutingLedger:
+    """The front's record of routing: what the router decided, and what each replica last said of
+    itself (prefix-cache counters, queue, KV use), for ``/metrics``."""
+
+    decisions: Counter = field(default_factory=Counter)
+    """(replica id, reason) -> requests routed."""
+    matched_blocks: Counter = field(default_factory=Counter)
+    """replica id -> blocks of routed requests the router expected it to hold."""
+    reports: dict[str, dict] = field(default_factory=dict)
+    """replica id -> its latest counters."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, decision: Decision) -> None:
+        with self.lock:
+            self.decisions[(decision.replica_id, decision.reason)] += 1
+            self.matched_blocks[decision.replica_id] += decision.matched_blocks
+
+    def report(self, replica_id: str, stats: dict) -> None:
+        with self.lock:
+            self.reports[replica_id] = dict(stats)
+
+    def snapshot(self) -> tuple[dict, dict, dict]:
+        with self.lock:
+            return dict(self.decisions), dict(self.matched_blocks), {k: dict(v) for k, v in self.reports.items()}

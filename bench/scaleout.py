@@ -264,7 +264,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10, help="system prompts")
     parser.add_argument("--questions", type=int, default=6, help="questions per system prompt")
     parser.add_argument("--system-words", type=int, default=300, help="style words per system prompt (~ tokens)")
-    parser.add_argument("--kv-tokens", type=int, default=2048,
+    parser.add_argument("--kv-tokens", type=int, default=3072,
                         help="KV cache per replica, in tokens: fewer system prompts than --prompts")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)

@@ -166,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise TokenmillError("--served-model-name names one model; with several, give each as --model NAME=SOURCE")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     scale = from_namespace(ScaleOutConfig, args)
-    if scale.replicas:
+    if scale.replicas or scale.attach:
         return _serve_replicas(specs, args, config, cost, scale)
     loader = ModelLoader(_llm_options(args), config.spare_kv_cache_memory)
     models, seconds = {}, {}
@@ -193,12 +193,11 @@ def _serve_replicas(specs, args: argparse.Namespace, config, cost, scale) -> int
         import ray  # noqa: F401
     except ImportError:
         raise TokenmillError("--replicas runs on Ray Serve: pip install 'tokenmill[scaleout]'") from None
-    from tokenmill.scaleout.deploy import stop
-
+    front = launch(specs[0].source, _llm_options(args), config, cost, scale)
     try:
-        run(launch(specs[0].source, _llm_options(args), config, cost, scale))
+        run(front.state, front.app())
     finally:
-        stop()  # the replicas this front started (a cluster of its own stops with the process anyway)
+        front.stop()  # the replicas this front started (a cluster of its own stops with the process anyway)
     return 0
 
 

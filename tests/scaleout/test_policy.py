@@ -19,19 +19,24 @@ def test_matched_blocks_is_the_leading_run() -> None:
     assert matched_blocks([], {1}) == 0
 
 
-def test_longest_cached_prefix_wins_among_replicas_not_overloaded() -> None:
-    policy = PrefixAwarePolicy(max_imbalance=5, seed=0)
-    hashes = [10, 11, 12, 13]
-    replicas = [ReplicaView("a", 3, frozenset({10, 11})), ReplicaView("b", 5, frozenset({10, 11, 12})),
-                ReplicaView("c", 0, frozenset())]
-    decision = policy.choose(hashes, replicas)
-    assert (decision.replica_id, decision.reason, decision.matched_blocks) == ("b", "prefix", 3)
-    # b now more than max_imbalance busier than the idlest: the next-longest holder takes it
-    busy = [replicas[0], ReplicaView("b", 9, replicas[1].cached), replicas[2]]
-    assert policy.choose(hashes, busy).replica_id == "a"
-    # ties on the match: the shorter queue
-    tie = [ReplicaView("a", 2, frozenset({10})), ReplicaView("b", 1, frozenset({10}))]
-    assert policy.choose(hashes, tie).replica_id == "b"
+def test_the_replica_where_the_first_token_comes_soonest_wins() -> None:
+    """Blocks to prefill before the request's first token: the queue's work, then its own uncached blocks."""
+    hashes = [10, 11, 12, 13]  # 4 full blocks and a partial one: 5 to prefill with no hit
+    a, b, c = (ReplicaView("a", 0, frozenset({10, 11})), ReplicaView("b", 0, frozenset({10, 11, 12})),
+               ReplicaView("c", 0, frozenset()))
+    policy = PrefixAwarePolicy(seed=0)
+    assert policy.choose(hashes, [a, b, c]) == Decision("b", "prefix", 3)
+    assert policy.work_per_request == 2  # that request's uncached blocks: what a queued one costs
+    # b holds the most, but 3 requests wait there (3 x 2 + 2 = 8 blocks ahead of the first token)
+    # against a's 3 with a shorter match: a, passed over for its queue -> 'balance'
+    busy_b = ReplicaView("b", 3, b.cached)
+    assert policy.choose(hashes, [a, busy_b, c]) == Decision("a", "balance", 2)
+    # equal estimates: the longer match, then the shorter queue
+    tie = [ReplicaView("a", 1, frozenset({10})), ReplicaView("b", 0, frozenset({10}))]
+    assert PrefixAwarePolicy(seed=0).choose(hashes, tie).replica_id == "b"
+    # never more than max_imbalance busier than the idlest, whatever it holds
+    far = [ReplicaView("a", 9, frozenset(hashes)), ReplicaView("b", 0, frozenset({10}))]
+    assert PrefixAwarePolicy(max_imbalance=8, seed=0).choose(hashes, far) == Decision("b", "balance", 1)
 
 
 def test_no_holder_falls_back_to_power_of_two_choices() -> None:
@@ -42,9 +47,6 @@ def test_no_holder_falls_back_to_power_of_two_choices() -> None:
     counts = {r.replica_id: sum(d.replica_id == r.replica_id for d in picks) for r in replicas}
     # two at random, the shorter queue wins: replica 0 wins whenever drawn (half the draws), 3 never
     assert counts["3"] == 0 and counts["0"] > counts["1"] > counts["2"] > 0
-    # a holder passed over for its queue is a 'balance' decision
-    held = [ReplicaView("a", 20, frozenset({1})), ReplicaView("b", 0, frozenset())]
-    assert policy.choose([1, 2], held) == Decision("b", "balance", 0)
 
 
 def test_round_robin_cycles_whatever_is_cached() -> None:
@@ -70,17 +72,30 @@ def test_index_follows_reports_and_forgets_unconfirmed_routes() -> None:
     assert held("a", 12.0) == set()
 
 
+def test_index_estimates_the_prefill_work_queued_at_each_replica() -> None:
+    index = PrefixIndex()
+    index.routed("a", [1], now=0.0, work=4)
+    index.routed("a", [2], now=0.0, work=6)
+    assert index.views(["a"], now=0.1)[0].work_ahead == 10  # nothing reported yet: what was routed
+    index.report("a", [1, 2], queue=1, now=0.2)  # no work figure: the oldest finished first
+    assert index.views(["a"], now=0.3)[0].work_ahead == 6
+    index.report("a", [1, 2], queue=3, now=0.4, work=2.5)  # its own figure replaces the estimate
+    index.routed("a", [3], now=0.5, work=3)
+    assert index.views(["a"], now=0.6)[0].work_ahead == 5.5
+
+
 def test_block_hashes_agree_across_processes_with_one_key() -> None:
     """The front computes a request's hashes in its process, replicas theirs: with the same key they
     must agree, whatever each process's str-hash seed."""
     tokens = list(range(100))
     here = BlockHasher("secret").chain(tokens, 16, "tenant-a")
-    code = ("from tokenmill.engine import BlockHasher; "
-            "print(BlockHasher('secret').chain(list(range(100)), 16, 'tenant-a'))")
+    unsalted = BlockHasher("secret").chain(tokens, 16, None)  # no salt (no API keys): hash(None) varies by process
+    code = ("from tokenmill.engine import BlockHasher; h = BlockHasher('secret'); "
+            "print([h.chain(list(range(100)), 16, 'tenant-a'), h.chain(list(range(100)), 16, None)])")
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": seed})
-        assert eval(out.stdout) == here
+        assert eval(out.stdout) == [here, unsalted]
     assert len(here) == 6
     assert BlockHasher("other").chain(tokens, 16, "tenant-a") != here
     assert BlockHasher("secret").chain(tokens, 16, "tenant-b")[0] != here[0]

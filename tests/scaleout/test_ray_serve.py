@@ -18,19 +18,16 @@ import httpx
 import openai
 import pytest
 import ray
-from ray import serve
 
-from tests.server.conftest import LiveServer
+from tests.scaleout.conftest import MODEL, OPTIONS, served_front
+from tests.server.conftest import build_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.scaleout.config import ScaleOutConfig
-from tokenmill.scaleout.deploy import APP_NAME, DEPLOYMENT, launch
+from tokenmill.scaleout.deploy import APP_NAME, DEPLOYMENT
 from tokenmill.scaleout.replica import ReplicaRequest
 from tokenmill.server.config import CostConfig, ServerConfig
 from tokenmill.server.tenancy import hash_key
 
-MODEL = "tiny-llama"
-OPTIONS = {"dtype": "float32", "device": "cpu", "max_num_seqs": 4, "kv_cache_memory": 64 * 16 * 2 * 2 * 2 * 32 * 4}
-"""4 sequences, 64 KV blocks of 16 tokens per replica (as the server tests' tiny_llm)."""
 PREFIX_P = "Shared system prompt P: long enough to fill several KV blocks of sixteen bytes each. " * 2
 PREFIX_Q = "Another system prompt Q, which only the second replica has seen in its cache so far. " * 2
 USER = {"authorization": "Bearer user-key"}
@@ -45,13 +42,8 @@ def front(tiny_dir, tmp_path_factory):
         {"name": "ops", "key_sha256": hash_key("ops-key"), "admin": True}]}))
     config = ServerConfig(served_model_name=MODEL, api_keys=str(keys))
     scale = ScaleOutConfig(replicas=2, replica_threads=1, routing_stats_period=0.2, optimistic_ttl=1.0)
-    state = launch(str(tiny_dir), OPTIONS, config, CostConfig(price_per_hour=1.0), scale)
-    try:
-        with LiveServer(None, config, state=state) as server:
-            yield server
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with served_front(str(tiny_dir), config, CostConfig(price_per_hour=1.0), scale) as server:
+        yield server
 
 
 def complete(front, prompt: str, key: str = "user-key", **body) -> httpx.Response:
@@ -74,7 +66,8 @@ def direct(front, prompt: str, exclude: tuple[str, ...], key: str = "user-key") 
                              cache_salt=salt, block_hashes=state.engine.block_hashes(ids, SamplingParams(), salt, None),
                              exclude=exclude)
     replica = None
-    for item in state.engine.handle.options(stream=True).generate.remote(request):
+    handle = next(iter(state.engine.versions.values())).handle
+    for item in handle.options(stream=True).generate.remote(request):
         replica = item.replica_id
     return replica
 
@@ -196,3 +189,40 @@ def test_a_replica_killed_under_load_loses_no_request_that_sent_no_bytes(front) 
             assert kind == "stream" and tokens >= 1 and error["code"] == "engine_error", (i, results[i])
     # Ray Serve replaces the replica; the endpoint serves on
     assert complete(front, "after the kill").status_code == 200
+
+
+def test_canary_then_blue_green_switch_then_retire(front, tmp_path) -> None:
+    """A second version (another checkpoint: other answers) takes its weight of the traffic, all of it
+    after the switch; retiring the first drains it and the endpoint serves on."""
+    admin = {"authorization": "Bearer ops-key"}
+    build_tiny_checkpoint(tmp_path, seed=1, tied=False)
+    old_answer = complete(front, "abcdef", max_tokens=6).json()["choices"][0]["text"]
+    assert httpx.post(front.url + "/admin/rollout", headers=USER, json={"source": str(tmp_path)}).status_code == 403
+    bad = httpx.post(front.url + "/admin/rollout", headers=admin, timeout=120, json={"source": "/no/such/model"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "deploy_failed"
+    r = httpx.post(front.url + "/admin/rollout", headers=admin, timeout=120,
+                   json={"source": str(tmp_path), "weight": 0.5, "replicas": 1, "name": "v2"})
+    assert r.status_code == 200, r.text
+    assert {v["name"]: v["weight"] for v in r.json()["versions"]} == {APP_NAME: 0.5, "v2": 0.5}
+    answers = [complete(front, "abcdef", max_tokens=6).json()["choices"][0]["text"] for _ in range(24)]
+    new_answer = next(a for a in answers if a != old_answer)
+    assert set(answers) == {old_answer, new_answer} and 4 <= answers.count(new_answer) <= 20
+    r = httpx.put(front.url + "/admin/rollout", headers=admin, json={"weights": {"v2": 1.0}})
+    assert r.status_code == 200 and {v["name"]: v["weight"] for v in r.json()["versions"]}["v2"] == 1.0
+    assert {complete(front, "abcdef", max_tokens=6).json()["choices"][0]["text"] for _ in range(6)} == {new_answer}
+    assert httpx.put(front.url + "/admin/rollout", headers=admin, json={"weights": {"v9": 1}}).status_code == 400
+    # retiring a version drains it: a long request it runs finishes
+    httpx.put(front.url + "/admin/rollout", headers=admin, json={"weights": {APP_NAME: 1.0}})
+    long: list[httpx.Response] = []
+    runner = threading.Thread(target=lambda: long.append(complete(front, "x", max_tokens=200, ignore_eos=True)))
+    runner.start()
+    time.sleep(0.2)
+    httpx.put(front.url + "/admin/rollout", headers=admin, json={"weights": {"v2": 1.0}})
+    r = httpx.delete(front.url + f"/admin/rollout/{APP_NAME}", headers=admin, timeout=120)
+    runner.join(60)
+    assert r.status_code == 200 and [v["name"] for v in r.json()["versions"]] == ["v2"]
+    assert long[0].status_code == 200 and long[0].json()["usage"]["completion_tokens"] == 200, long[0].text
+    assert httpx.delete(front.url + "/admin/rollout/v2", headers=admin, timeout=60).status_code == 400
+    assert complete(front, "abcdef", max_tokens=6).json()["choices"][0]["text"] == new_answer
+    text = httpx.get(front.url + "/metrics", headers=admin).text
+    assert f'tokenmill:version_weight{{model_name="{MODEL}",version="v2"}} 1.0' in text

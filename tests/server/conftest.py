@@ -61,10 +61,11 @@ def tiny_llm(tiny_dir) -> LLM:
 
 class LiveServer:
     def __init__(self, llm: LLM | dict[str, LLM] | None, config: ServerConfig, cost: CostConfig | None = None,
-                 loader=None, state=None) -> None:
-        """``state``: a ServerState built elsewhere (a scale-out front), served instead of ``llm``'s."""
+                 loader=None, state=None, app=None) -> None:
+        """``state``, ``app``: a ServerState and its app built elsewhere (a scale-out front), served
+        instead of ``llm``'s."""
         self.state = state if state is not None else create_state(llm, config, cost, loader)
-        self.app = build_app(self.state)
+        self.app = app if app is not None else build_app(self.state)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]

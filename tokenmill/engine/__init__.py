@@ -14,6 +14,7 @@ from tokenmill.engine.config import (
     free_memory,
 )
 from tokenmill.engine.block_pool import BlockHasher
+from tokenmill.engine.kv_transfer import KVBlocks, export_blocks, import_blocks
 from tokenmill.engine.limits import PromptLimits
 from tokenmill.engine.llm_engine import LLMEngine, adapter_salt
 from tokenmill.engine.outputs import (
@@ -29,8 +30,8 @@ from tokenmill.engine.stats import EngineSnapshot, StepStats
 from tokenmill.engine.work import SequenceWork
 
 __all__ = [
-    "ENGINE_OPTIONS", "BlockHasher", "CacheConfig", "CompletionOutput", "EngineConfig", "EngineSnapshot", "LLMEngine",
-    "OutputAccumulator", "PromptLimits", "Request", "RequestDelta", "RequestOutput", "SampleDelta",
-    "SchedulerConfig", "SequenceWork", "SpeculativeConfig", "StepStats", "TokenLogprobs", "adapter_salt",
-    "add_engine_options", "free_memory",
+    "ENGINE_OPTIONS", "BlockHasher", "CacheConfig", "CompletionOutput", "EngineConfig", "EngineSnapshot",
+    "KVBlocks", "LLMEngine", "OutputAccumulator", "PromptLimits", "Request", "RequestDelta", "RequestOutput",
+    "SampleDelta", "SchedulerConfig", "SequenceWork", "SpeculativeConfig", "StepStats", "TokenLogprobs",
+    "adapter_salt", "add_engine_options", "export_blocks", "free_memory", "import_blocks",
 ]

@@ -66,8 +66,9 @@ class BlockHasher:
     The key is random per process by default. Processes given the same key (``CacheConfig.
     prefix_hash_key``; a scale-out front and its replicas, tokenmill/scaleout/) compute the same
     hashes for the same tokens and salt: Python hashes ints and tuples of ints identically in
-    every process of one build (only str and bytes hashing is randomized, and the salt enters
-    as an int), so a router can match a request's blocks against a replica's cached ones.
+    every process of one build (str and bytes hashing is randomized, and ``hash(None)`` is an
+    address before Python 3.12: the salt, or its absence, enters as an int), so a router can
+    match a request's blocks against a replica's cached ones.
     """
 
     def __init__(self, key: bytes | str | None = None) -> None:
@@ -79,10 +80,11 @@ class BlockHasher:
     def _digest(self, data: bytes) -> int:
         return int.from_bytes(hashlib.blake2b(data, key=self._key, digest_size=8).digest(), "little")
 
-    def salt_id(self, salt: str | None) -> int | None:
-        """The salt as the int that enters the hash (memoized)."""
+    def salt_id(self, salt: str | None) -> int:
+        """The salt as the int that enters the hash (memoized); 0 for none (never ``None`` itself:
+        before Python 3.12, ``hash(None)`` is its address, different in every process)."""
         if salt is None:
-            return None
+            return 0
         value = self._salts.get(salt)
         if value is None:
             if len(self._salts) > 65536:

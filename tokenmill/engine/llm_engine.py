@@ -244,7 +244,8 @@ class LLMEngine:
                               *self._spec_totals(), c.num_drafts if c else 0,
                               tuple(c.accepted_per_position) if c else (),
                               len({id(s.lora) for s in self.scheduler.running if s.lora is not None}),
-                              self.lora.num_registered if self.lora else 0, self.moe_totals)
+                              self.lora.num_registered if self.lora else 0, self.moe_totals,
+                              self.scheduler.prompt_tokens_left)
 
     def _drain_moe(self) -> MoEStepStats | None:
         """The step's MoE routing (None for a dense model, or a step that routed nothing), added to the totals."""

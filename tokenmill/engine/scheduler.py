@@ -91,6 +91,13 @@ class Scheduler:
         self.running.append(seq)
 
     @property
+    def prompt_tokens_left(self) -> int:
+        """Prompt tokens of the running and waiting sequences not computed yet (waiting ones may
+        still hit the prefix cache): the prefill work queued."""
+        seqs = [*self.running, *(s for *_, s in self._waiting if not s.status.finished)]
+        return sum(max(len(s.prompt_token_ids) - s.num_computed_tokens, 0) for s in seqs)
+
+    @property
     def num_waiting(self) -> int:
         return sum(1 for *_, s in self._waiting if not s.status.finished)
 

@@ -23,7 +23,10 @@ class ScaleOutConfig(Config):
     min_replicas: int | None = option(None, "autoscaling: fewest replicas (default: --replicas)")
     max_replicas: int | None = option(None, "autoscaling: most replicas; above --replicas turns autoscaling on")
     target_queue: float | None = option(
-        None, "autoscaling: requests per replica (running and waiting) it aims for (default: --max-num-seqs)")
+        None, "autoscaling: sequences per replica (running and waiting) it aims for (default: --max-num-seqs); a "
+              "replica's TTFT p90 over --slo-ttft asks for one more")
+    upscale_delay: float = option(5.0, "autoscaling: seconds the load must ask for more replicas before they start")
+    downscale_delay: float = option(30.0, "autoscaling: seconds the load must ask for fewer before a replica drains")
     replica_threads: int = option(1, "CPU threads (and Ray CPUs) per replica")
     routing: str = option("prefix", "how requests pick a replica: prefix (the longest cached prefix, from the "
                                     "replicas' block hashes, balanced against queues) or round_robin",
@@ -36,6 +39,13 @@ class ScaleOutConfig(Config):
     routing_stats_period: float = option(0.5, "seconds between the replicas' reports of their cached blocks")
     max_attempts: int = option(3, "tries per request when a replica is lost before any of it reached the client")
     ray_address: str | None = option(None, "Ray cluster to join (default: start a local one)")
+    attach: str | None = option(
+        None, "front the replicas of a Ray Serve application already running on --ray-address (deployed from a "
+              "config file with tokenmill.scaleout.deploy:build_engine_app) instead of deploying them; give the "
+              "--prefix-hash-key its options name")
+    prefill_replicas: int = option(
+        0, "prototype, disaggregated prefill/decode: this many more replicas only prefill prompts and hand "
+           "their KV blocks through Ray's object store to the --replicas ones, which decode")
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -48,6 +58,8 @@ class ScaleOutConfig(Config):
                                         f"[{low}, {high}]")
         if low < 1 and self.replicas:
             raise InvalidParameterError(f"min_replicas must be >= 1, got {low}")
+        if self.prefill_replicas < 0:
+            raise InvalidParameterError(f"prefill_replicas must be >= 0, got {self.prefill_replicas}")
         if self.max_attempts < 1:
             raise InvalidParameterError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.routing_stats_period <= 0:

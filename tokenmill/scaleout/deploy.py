@@ -10,6 +10,9 @@
                  prefix of the request, by the block hashes each replica reports
                  replica 0: EngineReplica (LLM + AsyncEngine)   replica 1: ...   replica N-1: ...
 
+Versions (rollout.py): each deployment of the model is a Ray Serve application of its own (the first
+is ``tokenmill``); the front splits new requests between them by weight.
+
 The front and the replicas share a secret ``prefix_hash_key`` (made here, per start), so their
 block hashes agree; tenants' salts keep one tenant's blocks out of another's matches, as in one
 process. Quotas and budgets are held in the front, so they hold across replicas.
@@ -23,14 +26,17 @@ Serve config file (``import_path: tokenmill.scaleout.deploy:build_engine_app``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine import BlockHasher
+from tokenmill.errors import InvalidParameterError
 from tokenmill.scaleout.config import ScaleOutConfig
-from tokenmill.scaleout.remote import RemoteEngine, RemoteModel
+from tokenmill.scaleout.remote import RemoteEngine, RemoteModel, Version
 from tokenmill.scaleout.replica import EngineReplica, ReplicaInfo
 from tokenmill.server.admission import AdmissionController
 from tokenmill.server.config import CostConfig, ServerConfig
@@ -46,7 +52,7 @@ def engine_deployment(source: str, options: dict[str, Any], scale: ScaleOutConfi
                       cost: CostConfig):
     """The bound Ray Serve application of EngineReplica (``serve.run`` it)."""
     from ray import serve
-    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
     low, high = scale.autoscaling_bounds
     max_seqs = options.get("max_num_seqs") or _default_max_num_seqs()
@@ -64,9 +70,14 @@ def engine_deployment(source: str, options: dict[str, Any], scale: ScaleOutConfi
         "graceful_shutdown_timeout_s": config.drain_timeout, "graceful_shutdown_wait_loop_s": 0.5,
         "health_check_period_s": 2.0, "health_check_timeout_s": 30.0}
     if scale.autoscaling:
+        policy = AutoscalingPolicy(policy_function="tokenmill.scaleout.autoscale:queue_and_ttft_policy",
+                                   policy_kwargs={"target_queue": scale.target_queue or max_seqs,
+                                                  "slo_ttft": cost.slo_ttft})
         kwargs["autoscaling_config"] = AutoscalingConfig(
             min_replicas=low, max_replicas=high, initial_replicas=scale.replicas or low,
-            target_ongoing_requests=scale.target_queue or max_seqs, upscale_delay_s=5.0, downscale_delay_s=30.0)
+            target_ongoing_requests=scale.target_queue or max_seqs, upscale_delay_s=scale.upscale_delay,
+            downscale_delay_s=scale.downscale_delay, metrics_interval_s=1.0, look_back_period_s=5.0,
+            policy=policy)
     else:
         kwargs["num_replicas"] = scale.replicas
     deployment = serve.deployment(EngineReplica, **kwargs)
@@ -79,6 +90,9 @@ def build_engine_app(args: dict[str, Any]):
     (LLM keywords, ``prefix_hash_key`` among them), and ScaleOutConfig's fields."""
     args = dict(args)
     source, options = args.pop("model"), dict(args.pop("options", {}))
+    if not options.get("prefix_hash_key"):
+        raise InvalidParameterError("options.prefix_hash_key: set a secret, and give the front the same "
+                                    "(tokenmill serve --attach APP --prefix-hash-key KEY)")
     return engine_deployment(source, options, ScaleOutConfig.from_dict(args), ServerConfig(), CostConfig())
 
 
@@ -89,6 +103,8 @@ def _default_max_num_seqs() -> int:
 
 
 def start_ray(scale: ScaleOutConfig) -> None:
+    """Join ``--ray-address``, or start a local cluster: its logical CPUs are the machine's, or
+    enough for two full fleets (a rollout runs both versions for a while), whichever is more."""
     import ray
     from ray import serve
 
@@ -96,42 +112,125 @@ def start_ray(scale: ScaleOutConfig) -> None:
         if scale.ray_address:
             ray.init(address=scale.ray_address, logging_level=logging.WARNING)
         else:
-            high = scale.autoscaling_bounds[1]
-            ray.init(num_cpus=max(os.cpu_count() or 1, high * scale.replica_threads), include_dashboard=False,
+            replicas = scale.autoscaling_bounds[1] + scale.prefill_replicas
+            ray.init(num_cpus=max(os.cpu_count() or 1, 2 * replicas * scale.replica_threads), include_dashboard=False,
                      logging_level=logging.WARNING, configure_logging=False)
     serve.start(proxy_location="Disabled")
 
 
+class Fleet:
+    """The Ray Serve applications this front deployed (one per version of the model), and how it
+    deploys more: the same engine options, scale-out settings and block-hash key for each."""
+
+    def __init__(self, options: dict[str, Any], config: ServerConfig, cost: CostConfig, scale: ScaleOutConfig,
+                 key: str) -> None:
+        self.options = {**options, "prefix_hash_key": key}
+        self.config, self.cost, self.scale, self.key = config, cost, scale, key
+        self.apps: list[str] = []
+
+    def deploy(self, name: str, source: str, replicas: int | None = None):
+        """Deploy ``source`` as application ``name`` and wait until its replicas serve (blocking)
+        -> (handle, what a replica describes)."""
+        from ray import serve
+
+        import ray
+
+        scale = self.scale if replicas is None else dataclasses.replace(
+            self.scale, replicas=replicas, min_replicas=None, max_replicas=None)
+        need = (scale.replicas or scale.autoscaling_bounds[0]) * scale.replica_threads
+        free = ray.available_resources().get("CPU", 0.0)
+        if need > free:  # Ray Serve would wait for them forever
+            raise InvalidParameterError(f"{name}: {scale.replicas} replica(s) of {scale.replica_threads} thread(s) "
+                                        f"need {need} CPUs; the Ray cluster has {free:g} free")
+        app = engine_deployment(source, self.options, scale, self.config, self.cost)
+        logger.info("starting %d replica(s) of %s on Ray Serve as %s", scale.replicas, source, name)
+        handle = serve.run(app, name=name, route_prefix=None)
+        self.apps.append(name)
+        info: ReplicaInfo = handle.describe.remote().result()
+        return handle, info
+
+    def delete(self, name: str) -> None:
+        """Delete application ``name`` (blocking): Ray Serve stops routing to its replicas and lets
+        each finish its ongoing requests (up to the server's drain timeout)."""
+        from ray import serve
+
+        serve.delete(name)
+        self.apps.remove(name)
+
+    def stop(self) -> None:
+        """Delete every application this front deployed, when Ray still runs."""
+        import ray
+
+        for name in list(self.apps):
+            if not ray.is_initialized():
+                return
+            try:
+                self.delete(name)
+            except Exception:  # noqa: BLE001 - the cluster may be going away with us
+                logger.warning("could not delete the %s application", name, exc_info=True)
+
+
+@dataclass
+class Front:
+    """What ``launch`` built: the front's state and the fleet behind it."""
+
+    state: ServerState
+    fleet: Fleet
+
+    def app(self):
+        """The front's FastAPI app: the server's, plus the rollout endpoints (rollout.py)."""
+        from tokenmill.scaleout.rollout import rollout_router
+        from tokenmill.server.app import build_app
+
+        app = build_app(self.state)
+        app.include_router(rollout_router(self.fleet, self.state.engine))
+        return app
+
+    def stop(self) -> None:
+        self.fleet.stop()
+
+
 def launch(source: str, options: dict[str, Any], config: ServerConfig, cost: CostConfig,
-           scale: ScaleOutConfig) -> ServerState:
+           scale: ScaleOutConfig) -> Front:
     """Start Ray (unless running), deploy the replicas, wait until they serve, and build the
-    front's state (``tokenmill.server.serve.run`` serves it)."""
-    from ray import serve
-
+    front (``tokenmill.server.serve.run(front.state, front.app())`` serves it)."""
     start_ray(scale)
+    if scale.attach:
+        return attach(options, config, cost, scale)
     key = secrets.token_hex(16)
-    options = {**options, "prefix_hash_key": key}
-    app = engine_deployment(source, options, scale, config, cost)
-    logger.info("starting %d replica(s) of %s on Ray Serve", scale.replicas, source)
-    handle = serve.run(app, name=APP_NAME, route_prefix=None)
-    info: ReplicaInfo = handle.describe.remote().result()
-    return front_state(handle, info, BlockHasher(key), config, cost, scale)
+    fleet = Fleet(options, config, cost, scale, key)
+    handle, info = fleet.deploy(APP_NAME, source)
+    state = front_state(handle, info, BlockHasher(key), config, cost, scale)
+    if scale.prefill_replicas:
+        name = f"{APP_NAME}-prefill"
+        prefill, prefill_info = fleet.deploy(name, source, scale.prefill_replicas)
+        state.engine.prefill = Version(name, prefill, prefill_info, 0.0)
+    return Front(state, fleet)
 
 
-def stop() -> None:
-    """Delete the replicas' application (they drain), when Ray runs."""
-    import ray
+def attach(options: dict[str, Any], config: ServerConfig, cost: CostConfig, scale: ScaleOutConfig) -> Front:
+    """Front an application deployed by someone else (a Ray Serve config file): its replicas'
+    ``prefix_hash_key`` must be given (``--prefix-hash-key``), and stopping the front leaves it running."""
     from ray import serve
 
-    if ray.is_initialized():
-        try:
-            serve.delete(APP_NAME)
-        except Exception:  # noqa: BLE001 - the cluster may be going away with us
-            logger.warning("could not delete the %s application", APP_NAME, exc_info=True)
+    key = options.get("prefix_hash_key")
+    if not key:
+        raise InvalidParameterError(f"--attach {scale.attach}: give --prefix-hash-key, the key in that "
+                                    "application's engine options (the router matches block hashes with it)")
+    try:
+        handle = serve.get_app_handle(scale.attach)
+    except Exception as exc:  # noqa: BLE001 - Ray's error names no application
+        raise InvalidParameterError(f"--attach {scale.attach}: no such Ray Serve application ({exc})") from None
+    info: ReplicaInfo = handle.describe.remote().result()
+    deployments = serve.status().applications[scale.attach].deployments
+    running = sum(d.replica_states.get("RUNNING", 0) for d in deployments.values())
+    scale = dataclasses.replace(scale, replicas=max(running, 1), min_replicas=None, max_replicas=None)
+    fleet = Fleet(options, config, cost, scale, key)  # owns no application: stop() deletes nothing
+    return Front(front_state(handle, info, BlockHasher(key), config, cost, scale, version=scale.attach), fleet)
 
 
 def front_state(handle, info: ReplicaInfo, hasher: BlockHasher, config: ServerConfig, cost: CostConfig,
-                scale: ScaleOutConfig) -> ServerState:
+                scale: ScaleOutConfig, version: str = APP_NAME) -> ServerState:
     """The front's ServerState: the model as the replicas describe it, RemoteEngine as its engine,
     admission sized for every replica's batch, and the routing metrics."""
     from tokenmill.scaleout.metrics import ReplicaCollector
@@ -147,7 +246,7 @@ def front_state(handle, info: ReplicaInfo, hasher: BlockHasher, config: ServerCo
     engines: list[RemoteEngine] = []
 
     def engine_of(meter, metrics) -> RemoteEngine:
-        engine = RemoteEngine(handle, info, hasher, meter, scale.max_attempts, name=name)
+        engine = RemoteEngine(handle, info, hasher, meter, scale.max_attempts, name=name, version=version)
         engines.append(engine)
         metrics.registry.register(ReplicaCollector(engine, name))
         return engine

@@ -56,3 +56,22 @@ class ReplicaCollector(Collector):
         for (replica, event), value in sorted(self.engine.events.items()):
             events.add_metric([m, replica, event], value)
         yield events
+        taken = CounterMetricFamily("tokenmill:version_requests", "Engine requests each version of the model took "
+                                    "(rollout.py)", labels=["model_name", "version"])
+        weight = GaugeMetricFamily("tokenmill:version_weight", "Share of new requests each version takes",
+                                   labels=["model_name", "version"])
+        for version in list(self.engine.versions.values()):
+            taken.add_metric([m, version.name], version.requests)
+            weight.add_metric([m, version.name], version.weight)
+        yield from (taken, weight)
+        transfers = dict(self.engine.transfers)
+        if transfers:
+            yield CounterMetricFamily("tokenmill:kv_transfer_requests", "Requests whose prompt KV a prefill replica "
+                                      "handed to a decode replica", value=transfers.get("requests", 0))
+            yield CounterMetricFamily("tokenmill:kv_transfer_bytes", "KV bytes handed from prefill to decode "
+                                      "replicas", value=transfers.get("bytes", 0))
+            seconds = CounterMetricFamily("tokenmill:kv_transfer_seconds", "Seconds spent exporting KV blocks (prefill "
+                                          "replica) and importing them (decode replica)", labels=["phase"])
+            for phase in ("export", "import"):
+                seconds.add_metric([phase], transfers.get(phase, 0.0))
+            yield seconds

@@ -13,12 +13,18 @@ block the replica would really reuse for this tenant and adapter, never another'
 :meth:`PrefixAwarePolicy.choose`:
 
 1. each replica's match is the leading run of the request's hashes it holds;
-2. replicas whose queue is more than ``max_imbalance`` longer than the shortest are not
-   eligible (a cached prefix is not worth waiting behind a full batch);
-3. the eligible replica with the longest match wins (ties: the shorter queue) -> ``prefix``;
-4. no eligible replica holds any block: power of two choices, two replicas at random, the
-   shorter queue wins -> ``spread`` (or ``balance`` when a replica that held a prefix was
-   passed over for its queue).
+2. no replica holds any block: power of two choices, two replicas at random, the shorter queue
+   wins -> ``spread`` (random pairs, not the single least loaded: routers working from reports
+   a moment old would all herd onto the same idle replica);
+3. else, among replicas whose queue is at most ``max_imbalance`` longer than the shortest, the
+   one where the first token should come soonest: the fewest blocks to prefill before it, the
+   blocks the replica last reported it had left to prefill, plus the uncached blocks of the
+   requests routed there since (PrefixIndex), plus this request's blocks less its match
+   (ties: the longer match, then the shorter queue) -> ``prefix`` when that is a longest match,
+   ``balance`` when a replica holding more of it was passed over for its queue.
+
+A cached prefix is worth exactly the prefill it saves; it is not worth waiting behind other
+requests' prefills for longer than that.
 
 :class:`PrefixIndex` keeps what each replica reported, plus the requests routed to it since
 (their blocks will be there once prefilled): a burst of requests sharing a new prefix follows
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +55,8 @@ class ReplicaView:
     """Requests at the replica (running or waiting), as last known."""
     cached: Container[int] = frozenset()
     """Block hashes it holds (reported, plus routed since): anything ``in`` answers."""
+    work_ahead: float | None = None
+    """Blocks still to prefill there, as the router estimates (None: ``queue`` x a typical request's)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,8 @@ def matched_blocks(hashes: Sequence[int], cached: Container[int]) -> int:
 
 
 class PrefixAwarePolicy:
-    """Longest cached prefix among replicas not overloaded; else power of two choices."""
+    """The replica where this request's first token comes soonest, by the blocks each holds and the
+    work queued there; power of two choices when none holds any of it."""
 
     name = "prefix"
 
@@ -80,20 +89,36 @@ class PrefixAwarePolicy:
             raise ValueError(f"max_imbalance must be >= 0, got {max_imbalance}")
         self.max_imbalance = max_imbalance
         self._rng = random.Random(seed)
+        self.work_per_request = 0.0
+        """Moving average of the uncached blocks of the requests routed (the work one queued request adds)."""
 
     def choose(self, hashes: Sequence[int], replicas: Sequence[ReplicaView]) -> Decision:
         if not replicas:
             raise ValueError("no replica to route to")
         shortest = min(r.queue for r in replicas)
         matches = {r.replica_id: matched_blocks(hashes, r.cached) for r in replicas}
-        eligible = [r for r in replicas if r.queue - shortest <= self.max_imbalance]
-        best = max(eligible, key=lambda r: (matches[r.replica_id], -r.queue))
-        if matches[best.replica_id] > 0:
-            return Decision(best.replica_id, "prefix", matches[best.replica_id])
-        passed_over = any(matches[r.replica_id] > 0 for r in replicas)
-        pair = self._rng.sample(list(replicas), min(2, len(replicas)))
-        pick = min(pair, key=lambda r: r.queue)
-        return Decision(pick.replica_id, "balance" if passed_over else "spread", matches[pick.replica_id])
+        longest = max(matches.values())
+        if longest == 0:
+            pair = self._rng.sample(list(replicas), min(2, len(replicas)))
+            pick = min(pair, key=lambda r: r.queue)
+            decision = Decision(pick.replica_id, "spread", 0)
+        else:
+            own = len(hashes) + 1  # the request's blocks (the last one partial)
+            typical = self.work_per_request or own
+
+            def estimate(r: ReplicaView) -> tuple[float, int, int, float]:
+                """Blocks to prefill there before this request's first token: the queue's, then its own
+                (ties: the longer match, the shorter queue, then at random, so that replicas holding
+                the same prefix share its requests)."""
+                ahead = r.work_ahead if r.work_ahead is not None else r.queue * typical
+                return ahead + own - matches[r.replica_id], -matches[r.replica_id], r.queue, self._rng.random()
+            eligible = [r for r in replicas if r.queue - shortest <= self.max_imbalance]
+            pick = min(eligible, key=estimate)
+            matched = matches[pick.replica_id]
+            decision = Decision(pick.replica_id, "prefix" if matched == longest else "balance", matched)
+        uncached = uncached_blocks(hashes, decision)
+        self.work_per_request = 0.9 * self.work_per_request + 0.1 * uncached if self.work_per_request else uncached
+        return decision
 
 
 class RoundRobinPolicy:
@@ -130,6 +155,12 @@ class _Replica:
     """Hashes of requests routed here since, by when they were routed."""
     in_flight: int = 0
     """Requests routed here since the last report (added to its reported queue)."""
+    pending: deque[float] = field(default_factory=deque)
+    """Uncached blocks of the requests routed here since its last report of its prefill work (or,
+    when it reports none, of all routed here, trimmed to its queue at each report: the oldest
+    finish first)."""
+    reported_work: float = 0.0
+    """Blocks it had left to prefill at its last report."""
 
 
 class _Held:
@@ -152,21 +183,29 @@ class PrefixIndex:
         self._replicas: dict[str, _Replica] = {}
 
     def report(self, replica_id: str, hashes: Sequence[int] | frozenset[int], queue: int,
-               now: float | None = None) -> None:
-        """A replica's own report replaces what it held (evicted blocks drop out) and its queue;
-        ``now``: also drop its routes older than the ttl."""
+               now: float | None = None, work: float | None = None) -> None:
+        """A replica's own report replaces what it held (evicted blocks drop out), its queue and,
+        when given, the blocks it has left to prefill (``work``); ``now``: also drop its routes
+        older than the ttl."""
         replica = self._replicas.setdefault(replica_id, _Replica())
         replica.reported = hashes if isinstance(hashes, frozenset) else frozenset(hashes)
         replica.queue, replica.in_flight = queue, 0
+        if work is not None:
+            replica.reported_work = work
+            replica.pending.clear()
+        while len(replica.pending) > queue:
+            replica.pending.popleft()
         if now is not None and replica.routed:
             horizon = now - self.optimistic_ttl
             replica.routed = {h: t for h, t in replica.routed.items() if t > horizon}
 
-    def routed(self, replica_id: str, hashes: Sequence[int], now: float) -> None:
+    def routed(self, replica_id: str, hashes: Sequence[int], now: float, work: float = 0.0) -> None:
+        """A request went to ``replica_id``: its blocks will be there; ``work``: its uncached blocks."""
         replica = self._replicas.setdefault(replica_id, _Replica())
         for h in hashes:
             replica.routed[h] = now
         replica.in_flight += 1
+        replica.pending.append(work)
 
     def forget(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)
@@ -179,7 +218,8 @@ class PrefixIndex:
             if replica is None:
                 replica = self._replicas[rid] = _Replica()
             views.append(ReplicaView(rid, replica.queue + replica.in_flight,
-                                     _Held(replica.reported, replica.routed, horizon)))
+                                     _Held(replica.reported, replica.routed, horizon),
+                                     replica.reported_work + sum(replica.pending)))
         return views
 
 
@@ -208,3 +248,8 @@ class RoutingLedger:
     def snapshot(self) -> tuple[dict, dict, dict]:
         with self.lock:
             return dict(self.decisions), dict(self.matched_blocks), {k: dict(v) for k, v in self.reports.items()}
+
+
+def uncached_blocks(hashes: Sequence[int], decision: Decision) -> int:
+    """The blocks a routed request still prefills where it went (its last block is partial)."""
+    return len(hashes) + 1 - decision.matched_blocks

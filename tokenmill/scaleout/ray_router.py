@@ -22,7 +22,7 @@ import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from tokenmill.scaleout.policy import PrefixIndex, make_policy
+from tokenmill.scaleout.policy import PrefixIndex, make_policy, uncached_blocks
 from tokenmill.scaleout.replica import ReplicaRequest
 
 
@@ -41,7 +41,8 @@ class PrefixRequestRouter(RequestRouter):
             seq = stats.get("report")
             if seq is not None and self._seen.get(rid) != seq:
                 self._seen[rid] = seq
-                self.index.report(rid, stats.get("hashes", ()), stats.get("queue", 0), time.monotonic())
+                self.index.report(rid, stats.get("hashes", ()), stats.get("queue", 0), time.monotonic(),
+                                  stats.get("prefill_blocks"))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -56,7 +57,8 @@ class PrefixRequestRouter(RequestRouter):
         decision = self.policy.choose(request.block_hashes, self.index.views(list(by_id), now))
         # noted as decided: Ray tells routers where a request went only under its strict
         # max_ongoing_requests mode; the front learns where each really ran from the replica
-        self.index.routed(decision.replica_id, request.block_hashes, now)
+        self.index.routed(decision.replica_id, request.block_hashes, now,
+                          uncached_blocks(request.block_hashes, decision))
         request.decision = decision  # the front's own object (this process): its metrics read it
         chosen = by_id[decision.replica_id]
         return [[chosen], [r for r in usable if r is not chosen]]

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from tokenmill.engine import BlockHasher, EngineSnapshot, RequestDelta, adapter_salt
 from tokenmill.sampling_params import SamplingParams
@@ -78,16 +81,35 @@ class RemoteModel:
         self.kv_cache_bytes = info.kv_cache_bytes * replicas
 
 
+@dataclass
+class Version:
+    """One deployment of the served model (its own Ray Serve application): what a rollout splits
+    traffic between (rollout.py)."""
+
+    name: str
+    """The Ray Serve application's name."""
+    handle: Any
+    info: ReplicaInfo
+    weight: float
+    """Share of new requests it takes (the versions' weights sum to 1)."""
+    requests: int = 0
+
+
 class RemoteEngine:
-    """AsyncEngine's handler-facing interface over a Ray Serve deployment of EngineReplica."""
+    """AsyncEngine's handler-facing interface over Ray Serve deployments of EngineReplica (one, or
+    during a rollout, several versions splitting the traffic by weight)."""
 
     def __init__(self, handle, info: ReplicaInfo, hasher: BlockHasher, meter: CostMeter | None = None,
-                 max_attempts: int = 3, name: str | None = None) -> None:
+                 max_attempts: int = 3, name: str | None = None, version: str = "tokenmill") -> None:
         """``handle``: the deployment's handle; ``info``: what a replica described; ``hasher``: keyed
         as the replicas' engines are (``prefix_hash_key``); ``name``: the served model's name
-        (default: the replicas' model name)."""
-        self.handle = handle
-        self.info = info
+        (default: the replicas' model name); ``version``: its application's name."""
+        self.versions: dict[str, Version] = {version: Version(version, handle, info, 1.0)}
+        self.prefill: Version | None = None
+        """Disaggregated prefill/decode (prototype): the prefill replicas' deployment, when set."""
+        self.transfers: Counter = Counter()
+        """KV handed from prefill to decode replicas: 'requests', 'blocks', 'bytes', 'export' and
+        'import' seconds."""
         self.name = name or info.model_name
         self.hasher = hasher
         self.meter = meter if meter is not None else CostMeter()
@@ -98,6 +120,7 @@ class RemoteEngine:
         """(replica id, 'routed' | 'retried' | 'failed') -> requests: the front's side of routing."""
         self.warm_seconds = {self.name: 0.0}
         self.warm_step_seconds = {self.name: info.warm_step_seconds}
+
         self._tasks: dict[str, asyncio.Task] = {}
         self._stopped = threading.Event()
         self._started = False
@@ -140,23 +163,83 @@ class RemoteEngine:
     async def detach(self, name: str) -> int:
         return await self.call(lambda: 0)
 
+    # ---- versions -----------------------------------------------------------------------------
+    @property
+    def info(self) -> ReplicaInfo:
+        """The first version's description (what the front's model limits came from)."""
+        return next(iter(self.versions.values())).info
+
+    def add_version(self, name: str, handle, info: ReplicaInfo, weight: float) -> None:
+        """Serve another version beside the others, taking ``weight`` of new requests (the others
+        keep their proportions in the rest). Its tokenizer and limits must be the first version's:
+        requests were checked and tokenized against those."""
+        first = self.info
+        if name in self.versions:
+            raise ValueError(f"a version named {name!r} is already served")
+        if info.tokenizer.vocab_size != first.tokenizer.vocab_size or info.limits != first.limits:
+            raise ValueError(f"{info.source!r} does not fit the served model: its vocabulary "
+                             f"({info.tokenizer.vocab_size}) and limits ({info.limits}) must equal "
+                             f"{first.tokenizer.vocab_size} and {first.limits}")
+        if not 0 <= weight <= 1:
+            raise ValueError(f"weight must be in [0, 1], got {weight}")
+        for version in self.versions.values():
+            version.weight *= 1 - weight
+        self.versions[name] = Version(name, handle, info, weight)
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """Each named version's share of new requests (normalised; unnamed versions get 0)."""
+        unknown = set(weights) - set(self.versions)
+        if unknown:
+            raise ValueError(f"no version named {', '.join(sorted(unknown))}; versions: {', '.join(self.versions)}")
+        total = sum(weights.values())
+        if any(w < 0 for w in weights.values()) or total <= 0:
+            raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
+        for name, version in self.versions.items():
+            version.weight = weights.get(name, 0.0) / total
+
+    def remove_version(self, name: str) -> Version:
+        """Stop sending it new requests (those it runs finish there) -> it; its weight goes to the others."""
+        if name not in self.versions:
+            raise ValueError(f"no version named {name!r}")
+        if len(self.versions) == 1:
+            raise ValueError("the only version cannot be removed")
+        gone = self.versions.pop(name)
+        rest = sum(v.weight for v in self.versions.values())
+        for version in self.versions.values():
+            version.weight = version.weight / rest if rest > 0 else 1 / len(self.versions)
+        return gone
+
+    def pick(self, request_id: str) -> Version:
+        """The version a request goes to: by weight, from a hash of its id (reproducible)."""
+        u = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") / 2**64
+        acc = 0.0
+        versions = [v for v in self.versions.values() if v.weight > 0] or list(self.versions.values())
+        for version in versions:
+            acc += version.weight
+            if u < acc:
+                return version
+        return versions[-1]
+
     # ---- requests -----------------------------------------------------------------------------
     def block_hashes(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
-                     lora: str | None) -> list[int]:
-        """The prompt's full blocks' hashes as a replica's engine would compute them; [] when the
-        request never reuses the cache (prompt logprobs)."""
+                     lora: str | None, info: ReplicaInfo | None = None) -> list[int]:
+        """The prompt's full blocks' hashes as a replica's engine would compute them (``info``: its
+        version's; default the first); [] when the request never reuses the cache (prompt logprobs)."""
+        info = info or self.info
         if params.prompt_logprobs is not None:
             return []
-        salt = adapter_salt(cache_salt, self.info.adapters[lora]) if lora is not None else cache_salt
-        return self.hasher.chain(prompt_ids, self.info.block_size, salt)
+        salt = adapter_salt(cache_salt, info.adapters[lora]) if lora is not None else cache_salt
+        return self.hasher.chain(prompt_ids, info.block_size, salt)
 
     def add(self, model: str, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
             deadline: float, priority: int = 0, cache_salt: str | None = None, lora: str | None = None,
             record: CostRecord | None = None, hold_updates: bool = False) -> None:
+        version = self.pick(request_id)
+        version.requests += 1
         request = ReplicaRequest(request_id, prompt_ids, params, 0.0,
                                  record.labels if record is not None else None, priority, cache_salt, lora,
-                                 self.block_hashes(prompt_ids, params, cache_salt, lora))
-        task = asyncio.create_task(self._run(request, queue, deadline, record, hold_updates))
+                                 self.block_hashes(prompt_ids, params, cache_salt, lora, version.info))
+        task = asyncio.create_task(self._run(version, request, queue, deadline, record, hold_updates))
         self._tasks[request_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
 
@@ -165,7 +248,7 @@ class RemoteEngine:
         if task is not None:
             task.cancel()
 
-    async def _run(self, request: ReplicaRequest, queue: asyncio.Queue, deadline: float,
+    async def _run(self, version: Version, request: ReplicaRequest, queue: asyncio.Queue, deadline: float,
                    record: CostRecord | None, hold: bool) -> None:
         if record is not None:
             self.meter.open(record)
@@ -179,7 +262,11 @@ class RemoteEngine:
                     queue.put_nowait(EngineUpdate(request.request_id, None, True, error="deadline",
                                                   message="the request passed its deadline and was aborted"))
                     return
-                stream = self.handle.options(stream=True).generate.remote(request)
+                if self.prefill is not None:  # the prefill replica's KV goes by Ray's object store
+                    kv = self.prefill.handle.prefill.remote(request)
+                    stream = version.handle.options(stream=True).generate.remote(request, kv)
+                else:
+                    stream = version.handle.options(stream=True).generate.remote(request)
                 try:
                     async for item in stream:
                         item: ReplicaUpdate
@@ -187,6 +274,8 @@ class RemoteEngine:
                         if item.update is None:
                             self.events[(replica, "routed")] += 1
                             self.ledger.report(replica, item.stats or {})
+                            if item.transfer is not None:
+                                self.transfers.update({"requests": 1, **item.transfer})
                             if request.decision is not None:
                                 self.ledger.record(request.decision)
                                 request.decision = None

@@ -24,14 +24,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tokenmill.engine import EngineConfig, PromptLimits
+from tokenmill.engine import EngineConfig, KVBlocks, PromptLimits, export_blocks, import_blocks
 from tokenmill.llm import LLM
+from tokenmill.scaleout.autoscale import p90
 from tokenmill.scaleout.policy import Decision
 from tokenmill.loading.tokenizer import Tokenizer
 from tokenmill.sampling_params import SamplingParams
@@ -73,6 +75,8 @@ class ReplicaUpdate:
     """On the last update: the request's measured cost by kind (prompt, cached, completion)."""
     stats: dict[str, float] | None = None
     """On the first message: the replica's counters (prefix-cache queries and hits, queue, KV use)."""
+    transfer: dict[str, float] | None = None
+    """On the first message, when its KV came from a prefill replica: blocks taken, bytes, seconds."""
 
 
 @dataclass
@@ -111,6 +115,8 @@ class EngineReplica:
         self.engine.start()
         self.requests = 0
         self._reports = 0
+        self._ttfts: deque[float] = deque(maxlen=64)
+        """The last requests' times to first token here (seconds), for autoscaling."""
         logger.info("replica %s serving %s", self.replica_id, self.name)
 
     def info(self) -> ReplicaInfo:
@@ -125,8 +131,35 @@ class EngineReplica:
         await self.engine.call(lambda: None)  # answers once warm: the engine thread warms up first
         return self.info()
 
-    async def generate(self, request: ReplicaRequest) -> AsyncIterator[ReplicaUpdate]:
-        """Run one request; yield its updates as the engine produces them (cancelling aborts it)."""
+    async def prefill(self, request: ReplicaRequest) -> KVBlocks:
+        """Disaggregated prefill: compute the prompt (and one token), hand over its full blocks' KV
+        (kv_transfer.py); a decode replica's ``generate`` takes them."""
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = f"prefill-{request.request_id}"
+        self.requests += 1
+        self.engine.add(self.name, rid, request.prompt_ids, SamplingParams(max_tokens=1), queue,
+                        time.monotonic() + request.timeout, request.priority, request.cache_salt, request.lora)
+        try:
+            while True:
+                update: EngineUpdate = await queue.get()
+                if update.error is not None:
+                    raise RuntimeError(f"prefill failed: {update.error}: {update.message}")
+                if update.finished:
+                    break
+        except BaseException:
+            self.engine.abort(rid)
+            raise
+        engine = self.llm.engine
+        return await self.engine.call(lambda: export_blocks(engine, request.block_hashes))
+
+    async def generate(self, request: ReplicaRequest, kv: KVBlocks | None = None) -> AsyncIterator[ReplicaUpdate]:
+        """Run one request; yield its updates as the engine produces them (cancelling aborts it).
+        ``kv``: its prompt's blocks, prefilled elsewhere (entered into the prefix cache first)."""
+        transfer = None
+        if kv is not None:
+            engine = self.llm.engine
+            imported = await self.engine.call(lambda: import_blocks(engine, kv))
+            transfer = {"blocks": imported, "bytes": kv.nbytes, **kv.timings}
         queue: asyncio.Queue = asyncio.Queue()
         labels = request.labels if request.labels is not None else CostLabels("", self.name)
         record = CostRecord(request.request_id, labels, len(request.prompt_ids))
@@ -134,12 +167,16 @@ class EngineReplica:
         self.engine.add(self.name, request.request_id, request.prompt_ids, request.params, queue,
                         time.monotonic() + request.timeout, request.priority, request.cache_salt, request.lora,
                         record)
-        finished = False
+        finished = first_token = False
         try:
-            yield ReplicaUpdate(None, self.replica_id, time.monotonic(), stats=self.counters())
+            yield ReplicaUpdate(None, self.replica_id, time.monotonic(), stats=self.counters(), transfer=transfer)
             while not finished:
                 update: EngineUpdate = await queue.get()
                 finished = update.finished
+                delta = update.delta
+                if delta is not None and delta.first_token_time is not None and not first_token:
+                    first_token = True
+                    self._ttfts.append(delta.first_token_time - delta.arrival_time)
                 cost = dict(record.cost) if finished else None
                 yield ReplicaUpdate(update, self.replica_id, time.monotonic(), cost)
         finally:
@@ -161,8 +198,15 @@ class EngineReplica:
         def read() -> dict[str, Any]:
             snap = engine.snapshot()
             return {"report": self._reports, "hashes": engine.cached_block_hashes(),
-                    "queue": snap.num_running + snap.num_waiting}
+                    "queue": snap.num_running + snap.num_waiting,
+                    "prefill_blocks": snap.prompt_tokens_left / engine.config.cache.block_size}
         return await self.engine.call(read)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics (autoscale.py): the engine's queue, recent TTFT p90."""
+        snap = self.engine.snapshots.get(self.name)
+        queue = snap.num_running + snap.num_waiting if snap is not None else 0
+        return {"queue": float(queue), "ttft_p90": p90(list(self._ttfts))}
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine loop died."""

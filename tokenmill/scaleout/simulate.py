@@ -29,7 +29,7 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 
-from tokenmill.scaleout.policy import PrefixIndex, make_policy
+from tokenmill.scaleout.policy import PrefixIndex, make_policy, uncached_blocks
 
 
 @dataclass(frozen=True)
@@ -161,12 +161,14 @@ def simulate(policy_name: str, replicas: int, workload: Workload, times: Service
         now, _, kind, payload = heapq.heappop(events)
         if kind == "report":
             for rid, node in nodes.items():
-                index.report(rid, frozenset(node.cache), node.queue, now)
+                backlog = max(node.prefill_free_at - now, 0.0) / times.prefill_per_token / block_size
+                backlog += sum(len(r.hashes) + 1 for r in node.waiting)  # not started: counted uncached
+                index.report(rid, frozenset(node.cache), node.queue, now, backlog)
             push(now + report_period, "report", None)
         elif kind == "arrive":
             request: _Request = payload
             decision = policy.choose(request.hashes, index.views(ids, now))
-            index.routed(decision.replica_id, request.hashes, now)
+            index.routed(decision.replica_id, request.hashes, now, uncached_blocks(request.hashes, decision))
             node = nodes[decision.replica_id]
             node.served += 1
             if node.running < node.slots:

@@ -62,12 +62,13 @@ def serve(models: LLM | dict[str, LLM], config: ServerConfig, cost: CostConfig |
     run(create_state(models, config, cost, loader, load_seconds))
 
 
-def run(state: ServerState) -> None:
-    """Serve ``state``'s app until SIGTERM/SIGINT: HTTP from a second thread, the engine's
-    ``run_here`` in this one (a scale-out front's RemoteEngine only waits there)."""
+def run(state: ServerState, app=None) -> None:
+    """Serve ``app`` (default: ``build_app(state)``) until SIGTERM/SIGINT: HTTP from a second
+    thread, the engine's ``run_here`` in this one (a scale-out front's RemoteEngine only waits there)."""
     config = state.config
     sys.setswitchinterval(0.001)  # the engine holds the GIL in its Python parts; hand it over sooner
-    uv = uvicorn_config(build_app(state), config, log_level="info", timeout_graceful_shutdown=5)
+    uv = uvicorn_config(app if app is not None else build_app(state), config, log_level="info",
+                        timeout_graceful_shutdown=5)
     server = DrainingServer(uv, state)
     logger.info("serving %s on http://%s:%d", ", ".join(state.models), config.host, config.port)
 

@@ -14,7 +14,10 @@ One run, on a Ray cluster this script starts (``ray start --head --num-cpus 2``)
    flight is killed (``ray.kill`` of its actor); reported: requests retried on the other replica,
    client errors, streams cut after their first token, and the seconds until Ray Serve ran 2
    healthy replicas again.
-3. **Service times** of one replica at concurrency 1 (prefill seconds per prompt token, decode
+3. **Disaggregated prefill/decode** (prototype): 1 prefill + 1 decode replica on the same workload,
+   against the 2 colocated replicas of 1.: TTFT, TPOT, KV bytes moved per request and the seconds
+   spent exporting and importing them.
+4. **Service times** of one replica at concurrency 1 (prefill seconds per prompt token, decode
    seconds per output token), which ``bench/scaleout_sim.py`` feeds its queueing model.
 
 Writes bench/results/scaleout.json and bench/results/scaleout.png.
@@ -82,8 +85,9 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
                     usage = event["usage"]
     except httpx.HTTPError as exc:
         error = type(exc).__name__
+    end = time.perf_counter()
     return {"ttft": (first - start) if first else None, "usage": usage, "error": error, "tokens": tokens,
-            "end": time.perf_counter() - start}
+            "end": end - start, "tpot": (end - first) / (tokens - 1) if first and tokens > 1 else None}
 
 
 async def run_load(base: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
@@ -113,9 +117,10 @@ def metrics(base: str) -> dict[str, float]:
     return out
 
 
-def start_front(args, routing: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_front(args, routing: str, log: Path, replicas: int = 2, prefill: int = 0) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [str(VENV_BIN / "tokenmill"), "serve", args.model, "--replicas", "2", "--replica-threads", "1",
+    cmd = [str(VENV_BIN / "tokenmill"), "serve", args.model, "--replicas", str(replicas), "--replica-threads", "1",
+           "--prefill-replicas", str(prefill),
            "--routing", routing, "--ray-address", "auto", "--port", str(port), "--dtype", args.dtype,
            "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", "m",
            "--kv-cache-memory", str(args.kv_bytes), "--routing-stats-period", "0.5"]
@@ -134,9 +139,10 @@ def stop_front(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def routing_run(args, routing: str, prompts: list[str]) -> dict:
-    log = RESULTS / f"scaleout-{routing}.log"
-    proc, base = start_front(args, routing, log)
+def routing_run(args, routing: str, prompts: list[str], prefill: int = 0) -> dict:
+    label = routing if not prefill else "disaggregated"
+    log = RESULTS / f"scaleout-{label}.log"
+    proc, base = start_front(args, routing, log, replicas=2 - prefill, prefill=prefill)
     try:
         asyncio.run(run_load(base, "m", ["warm-up request"], 1, 2))
         start = time.perf_counter()
@@ -155,12 +161,17 @@ def routing_run(args, routing: str, prompts: list[str]) -> dict:
     for k, v in m.items():
         if k.startswith("tokenmill:router_decisions_total"):
             decisions[k.split('reason="')[1].split('"')[0]] += v
-    row = {"routing": routing, "requests": len(results), "errors": len(results) - len(ok),
+    tpots = [r["tpot"] for r in ok if r["tpot"] is not None]
+    transfer = {name: sum(v for k, v in m.items() if k.startswith(f"tokenmill:kv_transfer_{name}_total"))
+                for name in ("requests", "bytes", "seconds")}
+    row = {"routing": label, "requests": len(results), "errors": len(results) - len(ok),
+           "tpot_p50": quantile(tpots, 0.5), "transfer": transfer,
            "hit_rate": cached / max(prompt_tokens, 1), "prompt_tokens": prompt_tokens, "cached_tokens": cached,
            "ttft_p50": quantile(ttfts, 0.5), "ttft_p99": quantile(ttfts, 0.99), "wall_s": wall,
            "requests_per_replica": sorted(per_replica.values()), "decisions": decisions}
-    print(f"{routing:12s} hit rate {row['hit_rate']:.3f}  TTFT p50 {row['ttft_p50'] * 1000:.0f} ms  "
-          f"p99 {row['ttft_p99'] * 1000:.0f} ms  wall {wall:.1f} s  per replica {row['requests_per_replica']}  "
+    print(f"{label:13s} hit rate {row['hit_rate']:.3f}  TPOT p50 {row['tpot_p50'] * 1000:.0f} ms  "
+          f"TTFT p50 {row['ttft_p50'] * 1000:.0f} ms  p99 {row['ttft_p99'] * 1000:.0f} ms  wall {wall:.1f} s  "
+          f"per replica {row['requests_per_replica']}  "
           f"errors {row['errors']}", flush=True)
     return row
 
@@ -282,6 +293,7 @@ def main() -> None:
     try:
         prompts = workload(args)
         rows = [routing_run(args, routing, prompts) for routing in ("prefix", "round_robin")]
+        disaggregated = routing_run(args, "prefix", prompts, prefill=1)
         failover = failover_run(args, workload(argparse.Namespace(**{**vars(args), "questions": 3})))
         service = service_times(args)
     finally:
@@ -291,8 +303,16 @@ def main() -> None:
                "ttft_p50_ratio": rr["ttft_p50"] / prefix["ttft_p50"], "ttft_p99_ratio": rr["ttft_p99"] / prefix["ttft_p99"]}
     print(f"prefix vs round-robin: hit rate x{summary['hit_rate_ratio']:.2f}, TTFT p50 x{summary['ttft_p50_ratio']:.2f} "
           f"faster, p99 x{summary['ttft_p99_ratio']:.2f}")
+    moved = disaggregated["transfer"]
+    if moved["requests"]:
+        print(f"disaggregated (1 prefill + 1 decode replica) vs colocated (2, prefix routing): TTFT p50 "
+              f"{disaggregated['ttft_p50'] * 1000:.0f} vs {prefix['ttft_p50'] * 1000:.0f} ms, TPOT p50 "
+              f"{disaggregated['tpot_p50'] * 1000:.0f} vs {prefix['tpot_p50'] * 1000:.0f} ms, wall "
+              f"{disaggregated['wall_s']:.1f} vs {prefix['wall_s']:.1f} s; KV moved "
+              f"{moved['bytes'] / moved['requests'] / 2**20:.2f} MiB per request, "
+              f"{moved['seconds'] / moved['requests'] * 1000:.1f} ms export + import")
     out = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "routing": rows, "summary": summary,
-           "failover": failover, "service_times": service}
+           "disaggregated": disaggregated, "failover": failover, "service_times": service}
     Path(args.out).write_text(json.dumps(out, indent=2))
     plot(rows, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,8 @@ from tokenmill.server.state import ServedModel, ServerState
 
 logger = logging.getLogger("tokenmill.scaleout")
 
+RESOURCE_WAIT = 60.0
+"""Seconds a deployment waits for the cluster's free CPUs to cover its replicas before it is refused."""
 APP_NAME = "tokenmill"
 DEPLOYMENT = "tokenmill-engine"
 
@@ -138,10 +141,12 @@ class Fleet:
         scale = self.scale if replicas is None else dataclasses.replace(
             self.scale, replicas=replicas, min_replicas=None, max_replicas=None)
         need = (scale.replicas or scale.autoscaling_bounds[0]) * scale.replica_threads
-        free = ray.available_resources().get("CPU", 0.0)
-        if need > free:  # Ray Serve would wait for them forever
-            raise InvalidParameterError(f"{name}: {scale.replicas} replica(s) of {scale.replica_threads} thread(s) "
-                                        f"need {need} CPUs; the Ray cluster has {free:g} free")
+        deadline = time.monotonic() + RESOURCE_WAIT
+        while (free := ray.available_resources().get("CPU", 0.0)) < need:  # Ray Serve would wait forever
+            if time.monotonic() > deadline:  # (a deleted version's or restarted replica's CPUs free in seconds)
+                raise InvalidParameterError(f"{name}: {scale.replicas} replica(s) of {scale.replica_threads} "
+                                            f"thread(s) need {need} CPUs; the Ray cluster has {free:g} free")
+            time.sleep(0.5)
         app = engine_deployment(source, self.options, scale, self.config, self.cost)
         logger.info("starting %d replica(s) of %s on Ray Serve as %s", scale.replicas, source, name)
         handle = serve.run(app, name=name, route_prefix=None)

@@ -13,8 +13,8 @@ block the replica would really reuse for this tenant and adapter, never another'
 :meth:`PrefixAwarePolicy.choose`:
 
 1. each replica's match is the leading run of the request's hashes it holds;
-2. no replica holds any block: power of two choices, two replicas at random, the shorter queue
-   wins -> ``spread`` (random pairs, not the single least loaded: routers working from reports
+2. no replica holds any block: power of two choices, two replicas at random, the one with less
+   prefill queued (below) wins -> ``spread`` (random pairs, not the single least loaded: routers working from reports
    a moment old would all herd onto the same idle replica);
 3. else, among replicas whose queue is at most ``max_imbalance`` longer than the shortest, the
    one where the first token should come soonest: the fewest blocks to prefill before it, the
@@ -98,20 +98,21 @@ class PrefixAwarePolicy:
         shortest = min(r.queue for r in replicas)
         matches = {r.replica_id: matched_blocks(hashes, r.cached) for r in replicas}
         longest = max(matches.values())
+        own = len(hashes) + 1  # the request's blocks (the last one partial)
+        typical = self.work_per_request or own
+
+        def ahead(r: ReplicaView) -> float:
+            return r.work_ahead if r.work_ahead is not None else r.queue * typical
         if longest == 0:
             pair = self._rng.sample(list(replicas), min(2, len(replicas)))
-            pick = min(pair, key=lambda r: r.queue)
+            pick = min(pair, key=lambda r: (ahead(r), r.queue))
             decision = Decision(pick.replica_id, "spread", 0)
         else:
-            own = len(hashes) + 1  # the request's blocks (the last one partial)
-            typical = self.work_per_request or own
-
             def estimate(r: ReplicaView) -> tuple[float, int, int, float]:
                 """Blocks to prefill there before this request's first token: the queue's, then its own
                 (ties: the longer match, the shorter queue, then at random, so that replicas holding
                 the same prefix share its requests)."""
-                ahead = r.work_ahead if r.work_ahead is not None else r.queue * typical
-                return ahead + own - matches[r.replica_id], -matches[r.replica_id], r.queue, self._rng.random()
+                return ahead(r) + own - matches[r.replica_id], -matches[r.replica_id], r.queue, self._rng.random()
             eligible = [r for r in replicas if r.queue - shortest <= self.max_imbalance]
             pick = min(eligible, key=estimate)
             matched = matches[pick.replica_id]

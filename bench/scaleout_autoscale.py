@@ -109,7 +109,7 @@ def plot(timeline: list[dict], burst_end: float, path: Path) -> None:
     ax.set_ylabel("replicas")
     ax.set_ylim(0, 3)
     ax2.set_ylabel("requests left")
-    fig.legend(loc="upper right")
+    fig.legend(loc="center right", bbox_to_anchor=(0.88, 0.6))
     fig.suptitle("autoscaling on engine queue (min 1, max 2 replicas)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -119,6 +119,10 @@ def test_shared_prefix_lands_on_the_replica_holding_it_and_follows_evictions(fro
     text = httpx.get(front.url + "/metrics", headers={"authorization": "Bearer ops-key"}).text
     assert f'tokenmill:router_decisions_total{{model_name="{MODEL}",reason="prefix",replica="{holder}"}}' in text
     assert f'tokenmill:replica_prefix_cache_hit_rate{{model_name="{MODEL}",replica="{other}"}}' in text
+    # the model-level engine figures, as one process reports them: the fleet's
+    samples = front.metrics({"authorization": "Bearer ops-key"})
+    assert samples[f'tokenmill:prefix_cache_hits_total{{model_name="{MODEL}"}}'] >= 7 * 10
+    assert samples[f'tokenmill:num_requests_running{{model_name="{MODEL}"}}'] == 0
 
 
 def test_a_tenants_quota_holds_across_replicas(front) -> None:

@@ -251,7 +251,8 @@ def front_state(handle, info: ReplicaInfo, hasher: BlockHasher, config: ServerCo
     engines: list[RemoteEngine] = []
 
     def engine_of(meter, metrics) -> RemoteEngine:
-        engine = RemoteEngine(handle, info, hasher, meter, scale.max_attempts, name=name, version=version)
+        engine = RemoteEngine(handle, info, hasher, meter, scale.max_attempts, name=name, version=version,
+                              on_snapshot=metrics.observe_snapshot)
         engines.append(engine)
         metrics.registry.register(ReplicaCollector(engine, name))
         return engine

@@ -100,10 +100,20 @@ class RemoteEngine:
     during a rollout, several versions splitting the traffic by weight)."""
 
     def __init__(self, handle, info: ReplicaInfo, hasher: BlockHasher, meter: CostMeter | None = None,
-                 max_attempts: int = 3, name: str | None = None, version: str = "tokenmill") -> None:
+                 max_attempts: int = 3, name: str | None = None, version: str = "tokenmill",
+                 on_snapshot: Callable[[str, EngineSnapshot], None] | None = None) -> None:
         """``handle``: the deployment's handle; ``info``: what a replica described; ``hasher``: keyed
         as the replicas' engines are (``prefix_hash_key``); ``name``: the served model's name
-        (default: the replicas' model name); ``version``: its application's name."""
+        (default: the replicas' model name); ``version``: its application's name; ``on_snapshot``:
+        hears the fleet's state as one engine's (the server's model-level gauges and counters):
+        engine requests at the replicas as running, their mean KV use, their prefix-cache counters
+        summed (as of each replica's latest answer)."""
+        self.on_snapshot = on_snapshot
+        self._counted: dict[str, tuple[int, int]] = {}
+        """replica id -> (prefix queries, hits) it last reported."""
+        self._prefix = [0, 0]
+        """Prefix-cache queries and hits over every replica since the front started (monotonic)."""
+        self._snapshot = EngineSnapshot()
         self.versions: dict[str, Version] = {version: Version(version, handle, info, 1.0)}
         self.prefill: Version | None = None
         """Disaggregated prefill/decode (prototype): the prefill replicas' deployment, when set."""
@@ -151,7 +161,24 @@ class RemoteEngine:
 
     @property
     def snapshots(self) -> dict[str, EngineSnapshot]:
-        return {self.name: EngineSnapshot(num_running=len(self._tasks))}
+        return {self.name: self._snapshot}
+
+    def _observe(self, replica: str, stats: dict) -> None:
+        """A replica's counters: its prefix-cache deltas are added to the fleet's (a restarted
+        replica counts from 0 again)."""
+        queries, hits = int(stats.get("prefix_queries", 0)), int(stats.get("prefix_hits", 0))
+        last_q, last_h = self._counted.get(replica, (0, 0))
+        self._prefix[0] += queries - last_q if queries >= last_q else queries
+        self._prefix[1] += hits - last_h if hits >= last_h else hits
+        self._counted[replica] = (queries, hits)
+
+    def _publish(self) -> None:
+        reports = self.ledger.snapshot()[2]
+        usage = [r.get("kv_usage", 0.0) for r in reports.values()]
+        self._snapshot = EngineSnapshot(num_running=len(self._tasks), kv_usage=sum(usage) / len(usage) if usage else 0.0,
+                                        prefix_queries=self._prefix[0], prefix_hits=self._prefix[1])
+        if self.on_snapshot is not None:
+            self.on_snapshot(self.name, self._snapshot)
 
     async def call(self, fn: Callable[[], object]) -> object:
         raise APIError(400, "this server runs its model on replicas (--replicas); adapters and models are "
@@ -241,7 +268,11 @@ class RemoteEngine:
                                  self.block_hashes(prompt_ids, params, cache_salt, lora, version.info))
         task = asyncio.create_task(self._run(version, request, queue, deadline, record, hold_updates))
         self._tasks[request_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
+
+        def done(_) -> None:
+            self._tasks.pop(request_id, None)
+            self._publish()
+        task.add_done_callback(done)
 
     def abort(self, request_id: str) -> None:
         task = self._tasks.pop(request_id, None)
@@ -274,6 +305,8 @@ class RemoteEngine:
                         if item.update is None:
                             self.events[(replica, "routed")] += 1
                             self.ledger.report(replica, item.stats or {})
+                            self._observe(replica, item.stats or {})
+                            self._publish()
                             if item.transfer is not None:
                                 self.transfers.update({"requests": 1, **item.transfer})
                             if request.decision is not None:

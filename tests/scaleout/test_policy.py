@@ -116,3 +116,20 @@ def test_an_engine_caches_the_blocks_the_front_predicts(tiny_dir, salt) -> None:
         engine.step()
     predicted = BlockHasher("k").chain(prompt, engine.config.cache.block_size, salt)
     assert len(predicted) == 3 and set(predicted) <= set(engine.cached_block_hashes())
+
+
+def test_the_front_keys_a_request_by_its_tenant_and_adapter_as_the_engine_does() -> None:
+    """RemoteEngine.block_hashes: the salt the engine uses (the tenant's, plus the adapter's content hash)."""
+    from types import SimpleNamespace
+
+    from tokenmill.engine import adapter_salt
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.scaleout.remote import RemoteEngine
+
+    info = SimpleNamespace(model_name="m", block_size=16, adapters={"sql": "c0ffee"}, warm_step_seconds=0.0)
+    front = RemoteEngine(handle=None, info=info, hasher=BlockHasher("k"))
+    ids = list(range(50))
+    assert front.block_hashes(ids, SamplingParams(), "tenant", None) == BlockHasher("k").chain(ids, 16, "tenant")
+    assert front.block_hashes(ids, SamplingParams(), "tenant", "sql") == \
+        BlockHasher("k").chain(ids, 16, adapter_salt("tenant", "c0ffee"))
+    assert front.block_hashes(ids, SamplingParams(prompt_logprobs=1), "tenant", None) == []  # never cached

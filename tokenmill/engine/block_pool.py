@@ -95,13 +95,20 @@ class BlockHasher:
     def __call__(self, parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
         return hash((self.root if parent_hash is None else parent_hash, token_ids, self.salt_id(salt)))
 
-    def chain(self, token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
-        """The hashes of every full block of ``token_ids``, in order."""
-        hashes, parent = [], None
-        for i in range(len(token_ids) // block_size):
-            parent = self(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), salt)
+    def extend(self, hashes: list[int], token_ids: Sequence[int], block_size: int, salt: str | None,
+               num_blocks: int) -> list[int]:
+        """Append to ``hashes`` (the chain of ``token_ids``' first blocks) the hashes of blocks
+        len(hashes) .. num_blocks - 1 -> ``hashes``."""
+        salt_id, root = self.salt_id(salt), self.root
+        parent = hashes[-1] if hashes else root
+        for i in range(len(hashes), num_blocks):
+            parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), salt_id))
             hashes.append(parent)
         return hashes
+
+    def chain(self, token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+        """The hashes of every full block of ``token_ids``, in order."""
+        return self.extend([], token_ids, block_size, salt, len(token_ids) // block_size)
 
 
 PROCESS_HASHER = BlockHasher()

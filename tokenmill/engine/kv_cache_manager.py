@@ -287,12 +287,7 @@ class KVCacheManager:
     def _extend_hashes(self, hashes: list[int], token_ids: Sequence[int], salt: str | None,
                        num_blocks: int) -> list[int]:
         """Append the chained hashes of full blocks len(hashes) .. num_blocks - 1."""
-        bs = self.block_size
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_blocks):
-            parent = self.hasher(parent, tuple(token_ids[i * bs:(i + 1) * bs]), salt)
-            hashes.append(parent)
-        return hashes
+        return self.hasher.extend(hashes, token_ids, self.block_size, salt, num_blocks)
 
     def _max_hit_blocks(self, token_ids: Sequence[int], max_hit_tokens: int | None) -> int:
         limit = len(token_ids) - 1

@@ -48,7 +48,6 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger("tokenmill.engine")
 
 
-
 def adapter_salt(cache_salt: str | None, content_hash: str) -> str:
     """The prefix-cache salt of a request run with a LoRA adapter (its KV differs from the base model's)."""
     return f"{cache_salt}\0lora:{content_hash}"
@@ -225,6 +224,11 @@ class LLMEngine:
         computes a request's)."""
         return list(self.kv.groups[0].pool.cached)
 
+    def prompt_tokens_left(self) -> int:
+        """Prompt tokens of the running and waiting sequences not computed yet: the prefill work
+        queued (a scale-out router weighs it; computed on demand, not in every snapshot)."""
+        return self.scheduler.prompt_tokens_left
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -244,8 +248,7 @@ class LLMEngine:
                               *self._spec_totals(), c.num_drafts if c else 0,
                               tuple(c.accepted_per_position) if c else (),
                               len({id(s.lora) for s in self.scheduler.running if s.lora is not None}),
-                              self.lora.num_registered if self.lora else 0, self.moe_totals,
-                              self.scheduler.prompt_tokens_left)
+                              self.lora.num_registered if self.lora else 0, self.moe_totals)
 
     def _drain_moe(self) -> MoEStepStats | None:
         """The step's MoE routing (None for a dense model, or a step that routed nothing), added to the totals."""

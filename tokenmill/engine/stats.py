@@ -68,5 +68,3 @@ class EngineSnapshot:
     """LoRA adapters registered by name."""
     moe: MoEStepStats | None = None
     """An MoE model's routing so far (tokens per layer and expert, dropped, entropy); None for a dense model."""
-    prompt_tokens_left: int = 0
-    """Prompt tokens of running and waiting sequences not computed yet: the prefill work queued."""

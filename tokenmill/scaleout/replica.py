@@ -199,7 +199,7 @@ class EngineReplica:
             snap = engine.snapshot()
             return {"report": self._reports, "hashes": engine.cached_block_hashes(),
                     "queue": snap.num_running + snap.num_waiting,
-                    "prefill_blocks": snap.prompt_tokens_left / engine.config.cache.block_size}
+                    "prefill_blocks": engine.prompt_tokens_left() / engine.config.cache.block_size}
         return await self.engine.call(read)
 
     def record_autoscaling_stats(self) -> dict[str, float]:

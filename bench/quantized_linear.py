@@ -111,7 +111,9 @@ def main() -> None:
     rows = []
     header = (f"{'shape':<16} {'K':>5} {'N':>5} {'M':>5} | {'bf16 ms':>8} {'GF/s':>6} | "
               + " | ".join(f"{k + ' ms':>10} {'GF/s':>5} {'x bf16':>6}" for k in KERNELS[1:]))
-    print(f"{args.threads} threads, group {args.group_size}, {args.mins} mins, weights hot, median per call")
+    amx = ops.amx_tiles()
+    tiles = f"AMX tiles from {ops.amx_min_rows()} rows (TOKENMILL_AMX=0: none)" if amx else "no AMX tiles"
+    print(f"{args.threads} threads, group {args.group_size}, {args.mins} mins, weights hot, median per call; {tiles}")
     print(header)
     print("-" * len(header))
     start = time.perf_counter()
@@ -129,6 +131,7 @@ def main() -> None:
                                for kn in KERNELS[1:]), flush=True)
     elapsed = time.perf_counter() - start
     result = {"threads": args.threads, "group_size": args.group_size, "mins": args.mins, "x_dtype": "bfloat16",
+              "amx_tiles": amx, "amx_min_rows": ops.amx_min_rows(),
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "seconds": round(elapsed, 1), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,10 +35,12 @@ def test_packed_layout():
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 12, 13, 32, 41])
 @pytest.mark.parametrize("n,k", [(100, 48), (1536, 576), (37, 1536), (16, 2), (200, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_float64_reference_as_well_as_onednn(m, n, k, bias):
+@pytest.mark.parametrize("path", ["FASTEST", "VECTOR"], ids=["fastest", "avx512"])
+def test_matches_float64_reference_as_well_as_onednn(path, m, n, k, bias):
     x, w, b = _case(m, n, k)
     b = b if bias else None
-    got = kernels.bf16_packed_linear(x, kernels.bf16_pack(w), n, b if b is not None else torch.empty(0))
+    got = kernels.bf16_packed_linear(x, kernels.bf16_pack(w), n, b if b is not None else torch.empty(0),
+                                     path=kernels.KernelPath[path])
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     expected = x.double() @ w.double().T + (b.double() if b is not None else 0)
     onednn = torch.nn.functional.linear(x, w, b)
@@ -48,27 +50,70 @@ def test_matches_float64_reference_as_well_as_onednn(m, n, k, bias):
     assert (got != onednn).float().mean() < 0.02  # differ only where float32 summation order flips a rounding
 
 
-def test_float32_out_holds_the_bfloat16_outputs_exactly():
+@pytest.mark.parametrize("m", [13, 40])
+@pytest.mark.parametrize("path", ["FASTEST", "VECTOR"], ids=["fastest", "avx512"])
+def test_float32_out_holds_the_bfloat16_outputs_exactly(path, m):
     """out_float32 (logits): the bfloat16 outputs, bias included, widened; N = 300 ends in a partial tile."""
-    x, w, b = _case(13, 300, 576)
+    x, w, b = _case(m, 300, 576)
     packed = kernels.bf16_pack(w)
-    wide = kernels.bf16_packed_linear(x, packed, 300, b, out_float32=True)
-    assert wide.dtype == torch.float32 and wide.shape == (13, 300)
-    assert torch.equal(wide, kernels.bf16_packed_linear(x, packed, 300, b).float())
+    kernel_path = kernels.KernelPath[path]
+    wide = kernels.bf16_packed_linear(x, packed, 300, b, out_float32=True, path=kernel_path)
+    assert wide.dtype == torch.float32 and wide.shape == (m, 300)
+    assert torch.equal(wide, kernels.bf16_packed_linear(x, packed, 300, b, path=kernel_path).float())
 
 
-def test_rows_do_not_depend_on_the_batch_nor_the_threads():
-    x, w, b = _case(37, 300, 576)
+@pytest.mark.parametrize("path", ["FASTEST", "VECTOR"], ids=["fastest", "avx512"])
+def test_rows_do_not_depend_on_the_batch_nor_the_threads(path):
+    """Alone, in any batch and on any number of threads. Where the fastest path has AMX tiles, calls
+    of amx_min_rows() rows or more run on them: a row's result is then the same in every such call
+    (row tiles of 16 and their tails included), and in a smaller call it is the vector path's."""
+    x, w, b = _case(70, 300, 576)
     packed = kernels.bf16_pack(w)
-    together = kernels.bf16_packed_linear(x, packed, 300, b)
+
+    def mm(rows, kernel_path=kernels.KernelPath[path]):
+        return kernels.bf16_packed_linear(rows, packed, 300, b, path=kernel_path)
+
+    together = mm(x)
+    tiles = path == "FASTEST" and kernels.amx_tiles()
+    few = mm(x, kernels.KernelPath.VECTOR) if tiles else together
+    want = (lambda m: together if m >= kernels.amx_min_rows() else few) if tiles else (lambda m: together)
     for i in range(37):
-        assert torch.equal(kernels.bf16_packed_linear(x[i:i + 1], packed, 300, b)[0], together[i])
+        assert torch.equal(mm(x[i:i + 1])[0], want(1)[i])
+    for m in (2, 3, 4, 5, 15, 16, 17, 32, 33):
+        assert torch.equal(mm(x[:m]), want(m)[:m])
+        assert torch.equal(mm(x[m:2 * m]), want(m)[m:2 * m])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernels.bf16_packed_linear(x, packed, 300, b), together)
+        assert torch.equal(mm(x), together)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_amx_tiles_run_where_the_cpu_has_them():
+    """On Linux, a host whose CPU flags name AMX-BF16 runs bfloat16 products on tiles (the build is
+    -march=native, the process asks the kernel for the tile state); any other host on vectors."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    assert kernels.amx_tiles() == ({"amx_tile", "amx_bf16"} <= flags)
+    assert kernels.amx_min_rows() == (4 if kernels.amx_tiles() else 0)
+
+
+def test_tokenmill_amx_0_keeps_the_vector_paths():
+    """TOKENMILL_AMX=0 (read once per process): no tiles, so every row count computes as hosts
+    without AMX do."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from tests.kernel_utils import require_kernels; print(require_kernels().amx_tiles())"
+    env = {**os.environ, "TOKENMILL_AMX": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_bad_input_is_rejected():

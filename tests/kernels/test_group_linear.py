@@ -51,7 +51,7 @@ MS = [1, 2, 3, 4, 5, 8, 17, 33, 64, 257]
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 16), (5, 32), (5, 16), (7, 32), (7, 16), (8, 32), (8, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("path", ["FASTEST", "PORTABLE"], ids=["avx512", "portable"])
+@pytest.mark.parametrize("path", ["FASTEST", "VECTOR", "PORTABLE"], ids=["fastest", "avx512", "portable"])
 def test_matches_float64_reference(path, dtype, bits, group_size, m):
     n, k = 48, 128  # 3 tiles: a strip of 2 and one alone; 257 rows: blocks of 12 and a remainder
     codes, scale, mins = _weights(n, k, group_size, bits, seed=bits + group_size + m)
@@ -63,7 +63,7 @@ def test_matches_float64_reference(path, dtype, bits, group_size, m):
     _check(got, expected, dtype)
 
 
-@pytest.mark.parametrize("path", ["FASTEST", "PORTABLE"], ids=["avx512", "portable"])
+@pytest.mark.parametrize("path", ["FASTEST", "VECTOR", "PORTABLE"], ids=["fastest", "avx512", "portable"])
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_float32_out_holds_the_bfloat16_outputs_exactly(m, path):
     """out_float32 with bfloat16 x (logits): the very values of the bfloat16 output, widened."""
@@ -99,28 +99,44 @@ def test_symmetric_mins_take_the_same_sums(bits):
     x = torch.randn(40, k).bfloat16()
     together = ops.group_weight_linear(x, packed, sz, group_size, bits)
     _check(together, x.double() @ _dequantized(codes, scale, mins, group_size).T, torch.bfloat16)
+    vector = ops.KernelPath.VECTOR  # the two vector schedules (AMX hosts run 40 rows on tiles)
+    together = ops.group_weight_linear(x, packed, sz, group_size, bits, path=vector)
     for i in (0, 17, 39):
-        assert torch.equal(ops.group_weight_linear(x[i:i + 1], packed, sz, group_size, bits)[0], together[i])
+        assert torch.equal(ops.group_weight_linear(x[i:i + 1], packed, sz, group_size, bits, path=vector)[0],
+                           together[i])
 
 
-@pytest.mark.parametrize("bits", [4, 5, 7, 8])
+@pytest.mark.parametrize("path", ["FASTEST", "VECTOR"], ids=["fastest", "avx512"])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (5, 32), (7, 32), (7, 16), (8, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits):
-    n, k, group_size = 80, 192, 32
+def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits, group_size, path):
+    """On both paths: a row's result is the same alone, in any batch (the vector schedules' blocks,
+    AMX row tiles of 16 and their tails) and on any number of threads. Where the fastest path has
+    AMX tiles, bfloat16 calls of amx_min_rows() rows or more run on them: a row's result is the same
+    in every such call, and in a smaller call it is the vector schedules'."""
+    n, k = 80, 192
     codes, scale, mins = _weights(n, k, group_size, bits, seed=11)
     packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    together = ops.group_weight_linear(x, packed, sz, group_size, bits)
+
+    def mm(rows, kernel_path=ops.KernelPath[path]):
+        return ops.group_weight_linear(rows, packed, sz, group_size, bits, path=kernel_path)
+
+    together = mm(x)
+    tiles = path == "FASTEST" and dtype == torch.bfloat16 and ops.amx_tiles()
+    few = mm(x, ops.KernelPath.VECTOR) if tiles else together
+    want = (lambda m: together if m >= ops.amx_min_rows() else few) if tiles else (lambda m: together)
     for i in range(0, 300, 13):
-        assert torch.equal(ops.group_weight_linear(x[i:i + 1], packed, sz, group_size, bits)[0], together[i])
-    for m in (7, 16, 31):  # the other schedule's block sizes
-        assert torch.equal(ops.group_weight_linear(x[:m], packed, sz, group_size, bits), together[:m])
-    few = ops.group_weight_linear(x[:5], packed, sz, group_size, bits)
+        assert torch.equal(mm(x[i:i + 1])[0], want(1)[i])
+    for m in (3, 4, 7, 15, 16, 17, 31, 32, 33):  # the schedules' block sizes, row tiles of 16 and tails
+        assert torch.equal(mm(x[:m]), want(m)[:m])
+        assert torch.equal(mm(x[m:2 * m]), want(m)[m:2 * m])
+    five = mm(x[:5])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(ops.group_weight_linear(x, packed, sz, group_size, bits), together)
-        assert torch.equal(ops.group_weight_linear(x[:5], packed, sz, group_size, bits), few)
+        assert torch.equal(mm(x), together)
+        assert torch.equal(mm(x[:5]), five)
     finally:
         torch.set_num_threads(threads)
 
@@ -136,10 +152,12 @@ def test_int4_shares_the_kernel_and_its_invariance(scale_dtype):
     assert sz.dtype == scale_dtype
     x = torch.randn(40, k).bfloat16()
     expected = x.double() @ _dequantized(codes, scale, zero.double() - 8 * scale.double(), group_size).T
-    together = ops.int4_weight_linear(x, packed, sz, group_size)
+    _check(ops.int4_weight_linear(x, packed, sz, group_size), expected, torch.bfloat16)
+    vector = ops.KernelPath.VECTOR  # both schedules of the vector path (AMX hosts run 40 rows on tiles)
+    together = ops.int4_weight_linear(x, packed, sz, group_size, path=vector)
     _check(together, expected, torch.bfloat16)
     for i in (0, 21, 39):
-        assert torch.equal(ops.int4_weight_linear(x[i:i + 1], packed, sz, group_size)[0], together[i])
+        assert torch.equal(ops.int4_weight_linear(x[i:i + 1], packed, sz, group_size, path=vector)[0], together[i])
 
 
 def test_five_bit_layout_round_trips_and_keeps_the_file_size():

@@ -68,7 +68,7 @@ def test_int4_linear_describes_itself_only_with_the_cpu_kernel():
 @needs_kernels
 def test_python_and_cpp_kinds_have_the_same_names():
     assert [k.name for k in LinearKind] == [k.name for k in ops.LinearKind]
-    assert [p.name for p in ops.KernelPath] == ["FASTEST", "PORTABLE"]
+    assert [p.name for p in ops.KernelPath] == ["FASTEST", "PORTABLE", "VECTOR"]
 
 
 @needs_kernels

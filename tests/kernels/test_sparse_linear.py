@@ -1,5 +1,6 @@
 """tokenmill's sparse bfloat16 CPU linear (sparse_linear.cpp): its layout, and outputs bit-identical
-to the dense packed kernel (bf16_linear.cpp) on the same zero-containing weight, for every register
+to the dense packed kernel's vector path (bf16_linear.cpp; AMX hosts run dense on tiles) on the same
+zero-containing weight, for every register
 block, partial tiles, every sparsity from none to all, bias and float32 output."""
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def test_bit_identical_to_the_dense_kernel(m, n, k, sparsity, bias):
     w = _pruned(n, k, sparsity)
     b = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16() if bias else None
     x = _x(m, k)
-    dense = kernels.bf16_packed_linear(x, kernels.bf16_pack(w), n, torch.empty(0) if b is None else b)
+    dense = kernels.bf16_packed_linear(x, kernels.bf16_pack(w), n, torch.empty(0) if b is None else b,
+                                       path=kernels.KernelPath.VECTOR)
     values, masks, offsets = kernels.sparse_bf16_pack(w)
     got = kernels.sparse_bf16_linear(x, values, masks, offsets, b, n)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
@@ -71,7 +73,8 @@ def test_float32_out_is_the_dense_kernels(m):
     w, b = _pruned(300, 576, "0.5"), torch.randn(300).bfloat16()
     x = _x(m, 576)
     got = kernels.sparse_bf16_linear(x, *kernels.sparse_bf16_pack(w), b, 300, out_float32=True)
-    want = kernels.bf16_packed_linear(x, kernels.bf16_pack(w), 300, b, out_float32=True)
+    want = kernels.bf16_packed_linear(x, kernels.bf16_pack(w), 300, b, out_float32=True,
+                                      path=kernels.KernelPath.VECTOR)
     assert got.dtype == torch.float32 and torch.equal(got, want)
 
 

@@ -52,7 +52,8 @@ def test_layer_matches_the_dense_linear_with_and_without_the_kernel(monkeypatch)
     assert layer.nonzeros == int((dense.weight != 0).sum()) and layer.density == layer.nonzeros / (40 * 96)
     x = torch.randn(2, 5, 96).bfloat16()
     with torch.inference_mode():
-        want = ops.bf16_packed_linear(x.reshape(10, 96), ops.bf16_pack(dense.weight), 40, dense.bias).view(2, 5, 40)
+        want = ops.bf16_packed_linear(x.reshape(10, 96), ops.bf16_pack(dense.weight), 40, dense.bias,
+                                      path=ops.KernelPath.VECTOR).view(2, 5, 40)
         assert torch.equal(layer(x), want)
         spec = layer.cpu_kernel_spec()
         assert spec.kind is LinearKind.SPARSE_BF16 and spec.weight is layer.values and spec.offsets is layer.offsets

@@ -41,7 +41,8 @@ def main() -> int:
     fast = {name: getattr(module, f"{name}_linear_fast", lambda: False)() for name in ("int4", "bf16", "sparse")}
     print(f"CPU kernels: {what} in {directory} ({seconds:.1f} s); AVX-512 BF16 fast paths "
           "(sparse: + VBMI2): "
-          + ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in fast.items()))
+          + ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in fast.items())
+          + f"; AMX tiles for bfloat16 products: {'yes' if getattr(module, 'amx_tiles', lambda: False)() else 'no'}")
     return 0
 
 

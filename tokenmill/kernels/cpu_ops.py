@@ -34,7 +34,7 @@ SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCE_NAMES = ("paged_attention.cpp", "prefill_attention.cpp", "int8_linear.cpp", "int4_linear.cpp",
                 "group_linear.cpp", "bf16_linear.cpp", "sparse_linear.cpp", "kv_write.cpp", "lora.cpp",
                 "decoder.cpp", "bindings.cpp")
-HEADER_NAMES = ("kernels.h", "simd.h")
+HEADER_NAMES = ("kernels.h", "simd.h", "amx.h")
 SOURCES = [SOURCE_DIR / name for name in SOURCE_NAMES]
 HEADERS = [SOURCE_DIR / name for name in HEADER_NAMES]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]

@@ -21,6 +21,12 @@
 // the 576 -> 49152 LM head at 1 row 3.36 / 1.28 ms, at 32 rows 7.46 / 5.37 ms. So it serves every
 // bfloat16 dense linear on CPU, prefill included, which also makes bfloat16 results independent of
 // batch composition.
+//
+// AMX hosts (amx.h): calls of at least 4 rows with K a multiple of 32 run on tiles instead, 32 rows x
+// 32 channels a step (fewer rows: tiles of M rows), accumulating over the whole of K in the tiles; a
+// row's result is again independent of the other rows of a call of 4 rows or more. Measured on such a host, 2 threads, weights hot: 576 -> 3072 at
+// 256 rows 893 GFLOP/s against 122 for the vector path and 1,059 for oneDNN; at 1 row on par with
+// the vector path.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -29,7 +35,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
+#include "amx.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -112,9 +120,107 @@ void run_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const
 constexpr bool kFast = false;
 #endif
 
+#if defined(TOKENMILL_AMX)
+// AMX: 32 rows x 32 channels at a time (tiles 0-3 accumulate over the whole of K, 4-5 hold two row
+// tiles of x, 6-7 two weight tiles read in place from the packed layout). Each thread takes pairs
+// of output tiles; rows go in chunks that stay in L2 while the thread's weight strips pass.
+constexpr int64_t kChunkRows = 128;
+
+template <typename Out>
+void amx_store(const float* c, int live, const float* bias, Out* out, int64_t ldo, int64_t n, int64_t N) {
+  if (n >= N) return;
+  const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n)) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+  for (int r = 0; r < live; ++r) {
+    const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + 16 * r), b));
+    if constexpr (std::is_same_v<Out, float>)
+      _mm512_mask_storeu_ps(out + r * ldo + n, mask, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+    else
+      _mm256_mask_storeu_epi16(out + r * ldo + n, mask, v);
+  }
+}
+
+// Row tiles [b0, b1) times output tiles t0 and (two_n) t0 + 1.
+template <typename Out>
+void amx_rows(const tokenmill_amx::RowTiles& xs, int64_t b0, int64_t b1, const uint16_t* w, int64_t K, bool two_n,
+              const float* bias, Out* out, int64_t N, int64_t t0) {
+  alignas(64) float c[4][256];
+  const int64_t ldx = K * 2, K2 = K / 2;
+  const uint16_t* w1 = w + K2 * 32;
+  for (int64_t b = b0; b < b1; b += 2) {
+    int live0 = 0, live1 = 0;
+    const uint16_t* x0 = xs.rows(b, &live0);
+    const bool two_m = b + 1 < b1;
+    const uint16_t* x1 = two_m ? xs.rows(b + 1, &live1) : nullptr;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {  // k pairs k / 2 .. k / 2 + 15: 16 rows of 32 words
+      _tile_loadd(4, x0 + k, ldx);
+      _tile_loadd(6, w + k * 16, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two_n) {
+        _tile_loadd(7, w1 + k * 16, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (two_m) {
+        _tile_loadd(5, x1 + k, ldx);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two_n) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    for (int rt = 0; rt < (two_m ? 2 : 1); ++rt) {
+      Out* o = out + 16 * (b + rt) * N;
+      const int live = rt ? live1 : live0;
+      amx_store(c[2 * rt], live, bias, o, N, 16 * t0, N);
+      if (two_n) amx_store(c[2 * rt + 1], live, bias, o, N, 16 * (t0 + 1), N);
+    }
+  }
+}
+
+template <typename Out>
+void amx_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, Out* out, int64_t N) {
+  const int64_t tiles = (N + 15) / 16, pairs = (tiles + 1) / 2;
+  std::vector<uint16_t> tail;
+  const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(x, M, K, tail);
+  constexpr int64_t chunk = kChunkRows / 16;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    tokenmill_amx::configure(32, xs.tile_rows());
+    for (int64_t b0 = 0; b0 < xs.blocks(); b0 += chunk)
+      for (int64_t pr = begin; pr < end; ++pr) {
+        const int64_t t0 = 2 * pr;
+        amx_rows(xs, b0, std::min(b0 + chunk, xs.blocks()), w + t0 * (K / 2) * 32, K, t0 + 1 < tiles, bias, out, N,
+                 t0);
+      }
+    _tile_release();
+  });
+}
+#endif
+
 }  // namespace
 
 bool bf16_linear_fast() { return kFast; }
+
+bool amx_tiles() {
+#if defined(TOKENMILL_AMX)
+  return tokenmill_amx::usable();
+#else
+  return false;
+#endif
+}
+
+int64_t amx_min_rows() {
+#if defined(TOKENMILL_AMX)
+  return tokenmill_amx::kMinRows;
+#else
+  return 0;
+#endif
+}
 
 // weight [N, K] bfloat16, K even -> packed [ceil(N / 16), K / 2, 16, 2] bfloat16.
 torch::Tensor bf16_pack(torch::Tensor weight) {
@@ -129,7 +235,7 @@ torch::Tensor bf16_pack(torch::Tensor weight) {
 
 // x [M, K] bfloat16, packed from bf16_pack of a [N, K] weight, bias [N] (float32, bfloat16) or empty.
 torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
-                                 bool out_float32) {
+                                 bool out_float32, KernelPath path) {
   TORCH_CHECK(kFast, "bf16_packed_linear needs AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "bf16_packed_linear: x must be bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), tiles = (N + 15) / 16;
@@ -148,6 +254,13 @@ torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+#if defined(TOKENMILL_AMX)
+  if (tiles_allowed(path) && M >= tokenmill_amx::kMinRows && K % 32 == 0 && amx_tiles()) {
+    if (out_float32) amx_linear(xp, M, K, wp, bp, out.data_ptr<float>(), N);
+    else amx_linear(xp, M, K, wp, bp, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), N);
+    return out;
+  }
+#endif
   auto go = [&](auto nb_tag) {
     constexpr int NB = decltype(nb_tag)::value;
     at::parallel_for(0, tiles, NB, [&](int64_t begin, int64_t end) {
@@ -169,7 +282,11 @@ torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 #ifdef TM_STANDALONE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack);
-  m.def("bf16_packed_linear", &bf16_packed_linear);
+  m.def("bf16_packed_linear", [](torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias, bool out_float32,
+                                 bool vector) {
+    return bf16_packed_linear(x, packed, N, bias, out_float32, vector ? KernelPath::Vector : KernelPath::Fastest);
+  });
   m.def("bf16_linear_fast", &bf16_linear_fast);
+  m.def("amx_tiles", &amx_tiles);
 }
 #endif

@@ -6,15 +6,17 @@
 #include <pybind11/native_enum.h>
 #include <torch/extension.h>
 
+#include "amx.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   py::native_enum<KernelPath>(m, "KernelPath", "enum.Enum",
-                              "Which implementation a kernel runs: FASTEST (what the engine uses) or PORTABLE "
-                              "(plain loops, for tests to compare against)")
+                              "Which implementation a kernel runs: FASTEST (what the engine uses), PORTABLE (plain "
+                              "loops, for tests to compare against) or VECTOR (AVX-512 without AMX tiles)")
       .value("FASTEST", KernelPath::Fastest, "the vectorized path this build has, else the portable one")
       .value("PORTABLE", KernelPath::Portable, "plain C++ loops")
+      .value("VECTOR", KernelPath::Vector, "the AVX-512 vector path even where AMX tiles would run")
       .finalize();
   const auto path = py::arg("path") = KernelPath::Fastest;
 
@@ -40,7 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack, "pack a bfloat16 [N, K] weight for bf16_packed_linear", py::arg("weight"));
   m.def("bf16_packed_linear", &bf16_packed_linear, "bfloat16 linear over a packed weight, any number of rows (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::kw_only(),
-        py::arg("out_float32") = false);
+        py::arg("out_float32") = false, path);
+  m.def("amx_tiles", &amx_tiles,
+        "whether bfloat16 products run on AMX tiles here (bfloat16 x, calls of amx_min_rows() rows or more)");
+  m.def("amx_min_rows", &amx_min_rows, "the fewest rows a call runs on AMX tiles with (0: no tiles here)");
   m.def("sparse_linear_fast", &sparse_linear_fast,
         "whether sparse_bf16_linear can run here (AVX-512 BF16 and VBMI2)");
   m.def("sparse_bf16_pack", &sparse_bf16_pack,

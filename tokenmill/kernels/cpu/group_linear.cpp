@@ -53,6 +53,10 @@
 //     the block's rows side by side, so that every broadcast is one pointer plus a constant). A
 //     group's end is interleaved with the next group's first pair; the mn fma is skipped for a
 //     strip whose mn are all 0 (fma(0, sx, r) == r: the same result).
+// AMX hosts (amx.h), bfloat16 x, calls of at least 4 rows: a third schedule instead of both
+// (tile_column: per group, tile products from zero, stored, then the same group_end fold); fewer
+// rows and float32 x keep the vector schedules. There the vector units' folds,
+// not the tile products, set the pace: about 0.6-0.8 of bf16_linear.cpp's tiles with many rows.
 // The price of grouped weights against bf16_linear.cpp (one dpbf16 per k pair and nothing else) is
 // the group ends, 2 float32 fmas per group_size / 2 dpbf16 of every accumulator, on the same two
 // pipes: at group_size 32 a bound of 16 / 18 = 89% of the bfloat16 GEMM's speed (94% when mn = 0,
@@ -67,7 +71,9 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
+#include "amx.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -582,6 +588,95 @@ void tiles_many_rows(const Problem<S>& p, const uint32_t* xp, const RowBlocks& r
     strip_many_rows<kStripTiles>(p, unpack, xp, rb, t, wp, sp, res, y);
   for (; t < t_end; ++t) strip_many_rows<1>(p, unpack, xp, rb, t, wp, sp, res, y);
 }
+#if defined(TOKENMILL_AMX)
+// AMX tiles (amx.h), bfloat16 x, calls of kMinRows rows or more: each thread unpacks a strip of NB tiles as the
+// many-rows schedule does; then, per row tile of 16 and output tile, every group's sums come from
+// tile products of depth 32 (or 16, for groups of 16) from zeroed accumulators, stored and folded
+// into the 16 rows' results (in registers over all groups) with group_end, as the vector schedules
+// fold theirs. Groups alternate between two sets of tiles (accumulator 0, x 4, weights 6; and 1, 5,
+// 7), and the next group's product is issued before this one's fold, so that the tile unit and the
+// vector units work at once.
+template <bool WithMin, int NB, typename T, typename S>
+inline void tile_column(const Problem<S>& p, const uint16_t* x0, int live, int64_t m0, int64_t depth,
+                        const uint16_t* w, int t, const float* smin, T* y, int64_t n0) {
+  alignas(64) float c[2][256];
+  __m512 res[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) res[r] = _mm512_setzero_ps();
+  const int64_t ldx = p.K * 2, ldw = NB * 64, steps = p.gs / depth;
+  const float* sx = p.sx + m0 * p.G;
+  // The tile intrinsics take their tile numbers as literals: one branch per set of tiles.
+  auto product = [&](auto set, int64_t g) {
+    const uint16_t* xg = x0 + g * p.gs;
+    const uint16_t* wg = w + (g * p.gs / 2) * NB * 32 + t * 32;
+    if constexpr (decltype(set)::value == 0) {
+      _tile_zero(0);
+      for (int64_t s = 0; s < steps; ++s) {
+        _tile_loadd(4, xg + s * depth, ldx);
+        _tile_loadd(6, wg + (s * depth / 2) * NB * 32, ldw);
+        _tile_dpbf16ps(0, 4, 6);
+      }
+      _tile_stored(0, c[0], 64);
+    } else {
+      _tile_zero(1);
+      for (int64_t s = 0; s < steps; ++s) {
+        _tile_loadd(5, xg + s * depth, ldx);
+        _tile_loadd(7, wg + (s * depth / 2) * NB * 32, ldw);
+        _tile_dpbf16ps(1, 5, 7);
+      }
+      _tile_stored(1, c[1], 64);
+    }
+  };
+  auto fold = [&](const float* cb, int64_t g) {
+    const float* sm = smin + (g * NB + t) * 32;
+    const __m512 scale = _mm512_load_ps(sm), mn = _mm512_load_ps(sm + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r)  // unrolled: res[r] stays in a register; rows past live cost a branch
+      if (r < live) res[r] = group_end<WithMin>(res[r], _mm512_load_ps(cb + 16 * r), scale, mn, sx + r * p.G + g);
+  };
+  const std::integral_constant<int, 0> first;
+  const std::integral_constant<int, 1> second;
+  product(first, 0);
+  for (int64_t g = 0; g < p.G; g += 2) {
+    if (g + 1 < p.G) product(second, g + 1);
+    fold(c[0], g);
+    if (g + 1 < p.G) {
+      if (g + 2 < p.G) product(first, g + 2);
+      fold(c[1], g + 1);
+    }
+  }
+  for (int r = 0; r < live; ++r) store_out(y + (m0 + r) * p.N + n0, res[r]);
+}
+
+template <int NB, int Bits, typename T, typename S>
+void strip_tiles(const Problem<S>& p, const Unpack<Bits>& unpack, const tokenmill_amx::RowTiles& xs, int64_t depth,
+                 int64_t t0, uint16_t* w, float* smin, T* y) {
+  const bool with_min = unpack_strip<NB>(p, unpack, t0, w, smin);
+  for (int64_t b = 0; b < xs.blocks(); ++b) {
+    int live = 0;
+    const uint16_t* x0 = xs.rows(b, &live);
+    for (int t = 0; t < NB; ++t) {
+      if (with_min) tile_column<true, NB>(p, x0, live, 16 * b, depth, w, t, smin, y, (t0 + t) * 16);
+      else tile_column<false, NB>(p, x0, live, 16 * b, depth, w, t, smin, y, (t0 + t) * 16);
+    }
+  }
+}
+
+template <int Bits, typename T, typename S>
+void tiles_amx(const Problem<S>& p, const tokenmill_amx::RowTiles& xs, int64_t t_begin, int64_t t_end, T* y) {
+  const Unpack<Bits> unpack;
+  const int64_t depth = p.gs % 32 == 0 ? 32 : 16;
+  AlignedBuffer w(static_cast<size_t>(p.K / 2) * kStripTiles * 32 * sizeof(uint16_t));
+  AlignedBuffer smin(static_cast<size_t>(p.G) * kStripTiles * 32 * sizeof(float));
+  auto* wp = static_cast<uint16_t*>(w.ptr);
+  auto* sp = static_cast<float*>(smin.ptr);
+  tokenmill_amx::configure(static_cast<int>(depth), xs.tile_rows());
+  int64_t t = t_begin;
+  for (; t + kStripTiles <= t_end; t += kStripTiles) strip_tiles<kStripTiles>(p, unpack, xs, depth, t, wp, sp, y);
+  for (; t < t_end; ++t) strip_tiles<1>(p, unpack, xs, depth, t, wp, sp, y);
+  _tile_release();
+}
+#endif
 #else
 constexpr bool kFast = false;
 #endif
@@ -627,8 +722,26 @@ void tiles_portable(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
 }
 
 template <typename T, typename S>
-void run(const Problem<S>& p, T* y, bool generic) {
+void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
   const int64_t tiles = p.N / 16;
+#if defined(TOKENMILL_AMX)
+  // bfloat16 x from kMinRows rows (a row's sums then do not depend on the other rows of such a
+  // call); float32 x keeps the vector schedules (its two products per pair).
+  if (!generic && tiles_ok && !p.xl && p.M >= tokenmill_amx::kMinRows && p.gs % 16 == 0 &&
+      tokenmill_amx::usable()) {
+    std::vector<uint16_t> tail;
+    const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(p.xh, p.M, p.K, tail);
+    at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
+      if (p.bits == 4) tiles_amx<4>(p, xs, begin, end, y);
+      else if (p.bits == 5) tiles_amx<5>(p, xs, begin, end, y);
+      else if (p.bits == 7) tiles_amx<7>(p, xs, begin, end, y);
+      else tiles_amx<8>(p, xs, begin, end, y);
+    });
+    return;
+  }
+#else
+  (void)tiles_ok;
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (!generic) {
     if (p.M >= kGemmRows) {
@@ -657,15 +770,16 @@ void run(const Problem<S>& p, T* y, bool generic) {
 
 template <typename S>
 torch::Tensor run_x(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t gs,
-                    int bits, bool shift_min, bool out_float32, bool generic) {
+                    int bits, bool shift_min, bool out_float32, KernelPath path) {
+  const bool generic = is_portable(path), tiles_ok = tiles_allowed(path);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16, G = K / gs;
   auto y = torch::empty({M, N}, out_float32 ? x.options().dtype(torch::kFloat32) : x.options());
   if (M == 0 || N == 0) return y;
   const PreparedX px = prepare_x(x, gs, generic);
   const Problem<S> p{px.h, px.l, px.s, packed.data_ptr<uint8_t>(), sz.data_ptr<S>(), M, K, N, G, gs, bits, shift_min};
-  if (x.scalar_type() == torch::kFloat32) run(p, y.data_ptr<float>(), generic);
-  else if (out_float32) run(p, reinterpret_cast<Bf16InFloat*>(y.data_ptr<float>()), generic);
-  else run(p, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()), generic);
+  if (x.scalar_type() == torch::kFloat32) run(p, y.data_ptr<float>(), generic, tiles_ok);
+  else if (out_float32) run(p, reinterpret_cast<Bf16InFloat*>(y.data_ptr<float>()), generic, tiles_ok);
+  else run(p, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()), generic, tiles_ok);
   return y;
 }
 
@@ -676,14 +790,13 @@ bool group_linear_fast() { return kFast; }
 torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
                                    int64_t group_size, int64_t bits, bool shift_min, bool out_float32,
                                    KernelPath path) {
-  const bool generic = is_portable(path);
   auto xc = x.contiguous(), pc = packed.contiguous(), sc = sz.contiguous();
   if (sc.scalar_type() == torch::kFloat32)
-    return run_x<float>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, generic);
+    return run_x<float>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, path);
   if (sc.scalar_type() == torch::kHalf)
-    return run_x<c10::Half>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, generic);
+    return run_x<c10::Half>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, path);
   TORCH_CHECK(sc.scalar_type() == torch::kBFloat16, "scales must be float32, float16 or bfloat16");
-  return run_x<c10::BFloat16>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, generic);
+  return run_x<c10::BFloat16>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, path);
 }
 
 torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,

@@ -15,7 +15,12 @@
 enum class KernelPath {
   Fastest,   // the vectorized path this build has (AVX-512 / AVX-512 BF16), else the portable one
   Portable,  // plain C++ loops, whatever the build
+  Vector,    // the AVX-512 vector path even where AMX tiles would run (amx.h): for tests of kernels
+             // that have no tile path, which match the vector path bit for bit
 };
+
+// Whether a call may use AMX tiles.
+inline bool tiles_allowed(KernelPath path) { return path == KernelPath::Fastest; }
 
 inline bool is_portable(KernelPath path) { return path == KernelPath::Portable; }
 
@@ -55,7 +60,9 @@ bool bf16_linear_fast();
 torch::Tensor bf16_pack(torch::Tensor weight);
 // out_float32: the outputs rounded to bfloat16 as usual, stored as float32.
 torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
-                                 bool out_float32 = false);
+                                 bool out_float32 = false, KernelPath path = KernelPath::Fastest);
+// Whether this process runs bfloat16 products on AMX tiles (the build has them, the OS grants them).
+bool amx_tiles();
 
 // sparse_linear.cpp: a pruned bfloat16 weight without its zeros (a mask and the nonzeros per
 // vector of bf16_pack's layout), bit-identical to bf16_packed_linear on the dense weight

@@ -1,0 +1,117 @@
+// Intel AMX (advanced matrix extensions) tiles for the bfloat16 products of tokenmill's linears.
+//
+// Where the build has AMX-TILE and AMX-BF16 (-march=native on a host that has them: Sapphire
+// Rapids and later) and the kernel lets this process use the tile state, one tdpbf16ps multiplies
+// a 16 x 32 bfloat16 tile of x by a 32 x 16 tile of weights into a 16 x 16 float32 tile: 8192
+// multiply-adds, against 256 for vdpbf16ps. Measured on one such host (2 vCPUs, KVM): vdpbf16ps
+// zmm ran at about 1 per 2 cycles, 64 GFLOP/s a core, a quarter of the float32 FMA rate, where
+// tdpbf16ps gave 1,180 GFLOP/s a core; bf16_packed_linear over vdpbf16ps reached 85 GFLOP/s on 2
+// cores at 256 rows against 336 for oneDNN.
+//
+// Weight tiles come straight from the packed layouts: bf16_pack's [N / 16, K / 2, 16, 2] holds, for
+// an output tile and 16 consecutive k pairs, 16 rows of 64 bytes (one k pair of 16 channels each),
+// which is what tdpbf16ps reads as its second source. x tiles are 16 rows of x, 32 columns each.
+//
+// Rows: tiles run calls of at least kMinRows rows. Below that the vector paths are faster, with
+// weights streamed from memory as in a decode step (measured on the host above, 576 -> 1536 from
+// DRAM, 2 threads: bfloat16 at 1 row 93 us on tiles against 77 us on vectors, at 4 rows 85 against
+// 94; Q4_1-style grouped codes at 1 row 77 against 48, at 4 rows 81 against 88).
+//
+// Rounding: a tile product sums its 32 products per output in an order and with an internal
+// rounding of its own (measured: not vdpbf16ps's pair by pair float32 rounding). A row's result
+// therefore depends on whether its call has fewer than kMinRows rows (vectors) or not (tiles); within
+// each side it does not depend on the other rows (each output row of a tile product reads only its
+// x row). TOKENMILL_AMX=0 keeps the vectors at every row count: full batch invariance.
+#pragma once
+
+#include <cstdint>
+
+// bf16_linear.cpp: from how many rows a bfloat16 call runs on tiles (0 where there are none; whether
+// there are: amx_tiles() in kernels.h, which also counts TOKENMILL_AMX).
+int64_t amx_min_rows();
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TOKENMILL_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <strings.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace tokenmill_amx {
+
+constexpr int64_t kMinRows = 4;
+
+// ldtilecfg's 64-byte operand: palette 1, then per tile its bytes per row and its rows.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64);
+
+// Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA, feature 18); once granted it holds for every thread. PyTorch's oneDNN asks the same.
+// TOKENMILL_AMX=0 (or false, no), read once per process, keeps the vector paths: the arithmetic of
+// hosts without tiles, bit for bit.
+inline bool usable() {
+  static const bool ok = [] {
+    const char* env = std::getenv("TOKENMILL_AMX");
+    if (env && (!std::strcmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no"))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Tiles 0-3 accumulators (16 rows x 16 float32), 4-5 x (16 rows x depth bfloat16), 6-7 weights
+// (depth / 2 rows of 16 channel pairs): every kernel here uses this one assignment, depth 32 or 16
+// k per product, and `rows` rows of x (16, or fewer for a call of fewer rows: a product's time
+// grows with its rows). Loaded per thread (the configuration is thread state) at the start of
+// each task.
+inline void configure(int depth, int rows = 16) {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.colsb[t] = 64, c.rows[t] = static_cast<uint8_t>(rows);
+  for (int t = 4; t < 6; ++t) c.colsb[t] = static_cast<uint16_t>(depth * 2), c.rows[t] = static_cast<uint8_t>(rows);
+  for (int t = 6; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = static_cast<uint8_t>(depth / 2);
+  _tile_loadconfig(&c);
+}
+
+// Rows of x as tile sources: full blocks of 16 read x in place; the last, short block of a call of
+// more than 16 rows reads a copy padded with zero rows (the tiles are configured for 16 rows). A
+// call of fewer than 16 rows configures its tiles for M rows and reads x in place.
+struct RowTiles {
+  const uint16_t* x;
+  int64_t K, M;
+  const uint16_t* tail;  // 16 x K, rows M - M % 16 .. M - 1 then zeros; nullptr when M % 16 == 0
+                         // or M < 16
+  // The tile source for row block b (rows 16 b .. 16 b + 15) and how many of them are real.
+  const uint16_t* rows(int64_t b, int* live) const {
+    const int64_t m = 16 * b;
+    *live = static_cast<int>(M - m < 16 ? M - m : 16);
+    return *live < 16 && tail ? tail : x + m * K;
+  }
+  int64_t blocks() const { return (M + 15) / 16; }
+  int tile_rows() const { return M < 16 ? static_cast<int>(M) : 16; }
+};
+
+// A call's RowTiles, with `tail` (a caller-owned buffer) filled where it needs one.
+inline RowTiles row_tiles(const uint16_t* x, int64_t M, int64_t K, std::vector<uint16_t>& tail);
+
+inline RowTiles row_tiles(const uint16_t* x, int64_t M, int64_t K, std::vector<uint16_t>& tail) {
+  if (M > 16 && M % 16) {
+    const int64_t m0 = M - M % 16;
+    tail.assign(static_cast<size_t>(16 * K), 0);
+    std::memcpy(tail.data(), x + m0 * K, static_cast<size_t>((M - m0) * K) * sizeof(uint16_t));
+  }
+  return RowTiles{x, K, M, tail.empty() ? nullptr : tail.data()};
+}
+
+}  // namespace tokenmill_amx
+#endif

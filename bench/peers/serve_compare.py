@@ -58,6 +58,7 @@ class Server:
     name: str
     command: list[str]
     port: int
+    ready: str  # the path that answers 200 once the server takes requests (tokenmill: after its warm-up)
 
 
 def free_port() -> int:
@@ -69,7 +70,7 @@ def free_port() -> int:
 def tokenmill_server(args, gguf: Path) -> Server:
     port = free_port()
     return Server("tokenmill", [sys.executable, "-m", "tokenmill", "serve", str(gguf), "--port", str(port),
-                                "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(args.slots)], port)
+                                "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(args.slots)], port, "/ready")
 
 
 def llama_server(args, gguf: Path) -> Server:
@@ -82,12 +83,12 @@ def llama_server(args, gguf: Path) -> Server:
     per_slot = args.input_len + args.output_len + 64
     return Server("llama.cpp", [str(found["llama-server"]), "-m", str(gguf), "--host", "127.0.0.1",
                                 "--port", str(port), "-c", str(args.slots * per_slot), "-np", str(args.slots),
-                                "--cont-batching", "-t", str(args.threads), "-tb", str(args.threads)], port)
+                                "--cont-batching", "-t", str(args.threads), "-tb", str(args.threads)], port, "/health")
 
 
 @contextmanager
 def running(server: Server, log: Path, timeout_s: float):
-    """Start the server, wait until /v1/models answers, yield its root URL; stop it afterwards."""
+    """Start the server, wait until its readiness path answers 200, yield its root URL; stop it afterwards."""
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"starting {server.name}: {' '.join(server.command)}", flush=True)
     with open(log, "w") as out:
@@ -95,7 +96,7 @@ def running(server: Server, log: Path, timeout_s: float):
     root = f"http://127.0.0.1:{server.port}"
     try:
         deadline = time.monotonic() + timeout_s
-        while not _answers(root + "/v1/models"):
+        while not _answers(root + server.ready):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{server.name} did not come up (exit code {proc.poll()}); see {log}")
             time.sleep(1)

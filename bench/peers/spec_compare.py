@@ -47,14 +47,14 @@ def servers(args, gguf: Path) -> list[Server]:
                "--max-num-seqs", str(args.slots)]
         if spec == "ngram":
             cmd += ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
-        out.append(Server(f"tokenmill {spec}", cmd, port))
+        out.append(Server(f"tokenmill {spec}", cmd, port, "/ready"))
     for spec in ("off", "ngram"):
         server = llama_server(argparse.Namespace(build=args.build, input_len=args.input_len,
                                                  output_len=args.output_len, slots=args.slots,
                                                  threads=args.threads), gguf)
         if spec == "ngram":
             server.command += ["--spec-type", args.llama_spec_type, "--spec-draft-n-max", str(args.k)]
-        out.append(Server(f"llama.cpp {spec}", server.command, server.port))
+        out.append(Server(f"llama.cpp {spec}", server.command, server.port, server.ready))
     return out
 
 

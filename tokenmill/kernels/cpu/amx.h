@@ -102,8 +102,6 @@ struct RowTiles {
 };
 
 // A call's RowTiles, with `tail` (a caller-owned buffer) filled where it needs one.
-inline RowTiles row_tiles(const uint16_t* x, int64_t M, int64_t K, std::vector<uint16_t>& tail);
-
 inline RowTiles row_tiles(const uint16_t* x, int64_t M, int64_t K, std::vector<uint16_t>& tail) {
   if (M > 16 && M % 16) {
     const int64_t m0 = M - M % 16;

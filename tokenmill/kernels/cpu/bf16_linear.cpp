@@ -22,11 +22,11 @@
 // bfloat16 dense linear on CPU, prefill included, which also makes bfloat16 results independent of
 // batch composition.
 //
-// AMX hosts (amx.h): calls of at least 4 rows with K a multiple of 32 run on tiles instead, 32 rows x
-// 32 channels a step (fewer rows: tiles of M rows), accumulating over the whole of K in the tiles; a
-// row's result is again independent of the other rows of a call of 4 rows or more. Measured on such a host, 2 threads, weights hot: 576 -> 3072 at
-// 256 rows 893 GFLOP/s against 122 for the vector path and 1,059 for oneDNN; at 1 row on par with
-// the vector path.
+// AMX hosts (amx.h): calls of at least 4 rows with K a multiple of 32 run on tiles instead, 32 rows
+// x 32 channels a step (fewer rows: tiles of M rows), accumulating over the whole of K in the tiles;
+// a row's result is again independent of the other rows of a call of 4 rows or more. Measured on
+// such a host, 2 threads, weights hot: 576 -> 3072 at 256 rows 893 GFLOP/s against 122 for the
+// vector path and 1,059 for oneDNN.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -45,6 +45,22 @@ namespace {
 
 #if defined(__AVX512BF16__)
 constexpr bool kFast = true;
+
+// The live channels of the output tile starting at n.
+inline __mmask16 out_mask(int64_t n, int64_t N) {
+  return static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n)) - 1);
+}
+
+// v rounded to bfloat16 into the mask's lanes of dst: Out uint16_t (bfloat16 bits) or float (the
+// same rounded values, widened).
+template <typename Out>
+inline void store_rounded(Out* dst, __mmask16 mask, __m512 v) {
+  const __m256i r = (__m256i)_mm512_cvtneps_pbh(v);
+  if constexpr (std::is_same_v<Out, float>)
+    _mm512_mask_storeu_ps(dst, mask, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+  else
+    _mm256_mask_storeu_epi16(dst, mask, r);
+}
 
 // Out: uint16_t (bfloat16 bits) or float (the same rounded values, widened).
 template <int MB, int NB, typename Out>
@@ -67,16 +83,9 @@ inline void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K2,
   for (int t = 0; t < NB; ++t) {
     const int64_t n = n0 + 16 * t;
     if (n >= N) break;
-    const int64_t live = std::min<int64_t>(16, N - n);
-    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+    const __mmask16 mask = out_mask(n, N);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-    for (int m = 0; m < MB; ++m) {
-      const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][t], b));
-      if constexpr (std::is_same_v<Out, float>)
-        _mm512_mask_storeu_ps(out + m * ldo + n, mask, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
-      else
-        _mm256_mask_storeu_epi16(out + m * ldo + n, mask, r);
-    }
+    for (int m = 0; m < MB; ++m) store_rounded(out + m * ldo + n, mask, _mm512_add_ps(acc[m][t], b));
   }
 }
 
@@ -129,15 +138,9 @@ constexpr int64_t kChunkRows = 128;
 template <typename Out>
 void amx_store(const float* c, int live, const float* bias, Out* out, int64_t ldo, int64_t n, int64_t N) {
   if (n >= N) return;
-  const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n)) - 1);
+  const __mmask16 mask = out_mask(n, N);
   const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-  for (int r = 0; r < live; ++r) {
-    const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + 16 * r), b));
-    if constexpr (std::is_same_v<Out, float>)
-      _mm512_mask_storeu_ps(out + r * ldo + n, mask, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
-    else
-      _mm256_mask_storeu_epi16(out + r * ldo + n, mask, v);
-  }
+  for (int r = 0; r < live; ++r) store_rounded(out + r * ldo + n, mask, _mm512_add_ps(_mm512_load_ps(c + 16 * r), b));
 }
 
 // Row tiles [b0, b1) times output tiles t0 and (two_n) t0 + 1.

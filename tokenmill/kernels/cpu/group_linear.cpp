@@ -55,8 +55,8 @@
 //     strip whose mn are all 0 (fma(0, sx, r) == r: the same result).
 // AMX hosts (amx.h), bfloat16 x, calls of at least 4 rows: a third schedule instead of both
 // (tile_column: per group, tile products from zero, stored, then the same group_end fold); fewer
-// rows and float32 x keep the vector schedules. There the vector units' folds,
-// not the tile products, set the pace: about 0.6-0.8 of bf16_linear.cpp's tiles with many rows.
+// rows and float32 x keep the vector schedules. There the vector units' folds, not the tile
+// products, set the pace: about 0.6-0.9 of bf16_linear.cpp's tiles with many rows.
 // The price of grouped weights against bf16_linear.cpp (one dpbf16 per k pair and nothing else) is
 // the group ends, 2 float32 fmas per group_size / 2 dpbf16 of every accumulator, on the same two
 // pipes: at group_size 32 a bound of 16 / 18 = 89% of the bfloat16 GEMM's speed (94% when mn = 0,
@@ -589,8 +589,8 @@ void tiles_many_rows(const Problem<S>& p, const uint32_t* xp, const RowBlocks& r
   for (; t < t_end; ++t) strip_many_rows<1>(p, unpack, xp, rb, t, wp, sp, res, y);
 }
 #if defined(TOKENMILL_AMX)
-// AMX tiles (amx.h), bfloat16 x, calls of kMinRows rows or more: each thread unpacks a strip of NB tiles as the
-// many-rows schedule does; then, per row tile of 16 and output tile, every group's sums come from
+// AMX tiles (amx.h), bfloat16 x, calls of kMinRows rows or more: each thread unpacks a strip of NB
+// tiles as the many-rows schedule does; then, per row tile of 16 and output tile, every group's sums come from
 // tile products of depth 32 (or 16, for groups of 16) from zeroed accumulators, stored and folded
 // into the 16 rows' results (in registers over all groups) with group_end, as the vector schedules
 // fold theirs. Groups alternate between two sets of tiles (accumulator 0, x 4, weights 6; and 1, 5,

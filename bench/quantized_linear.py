@@ -8,6 +8,8 @@ Kernels, all on the same shapes with bfloat16 x and bfloat16 out:
     int4     int4_weight_linear, tokenmill's own int4 (w = (q - 8) * scale + zero, bfloat16 scales),
              on group_linear.cpp's kernel
     group4   group_weight_linear bits 4 (w = code * scale + min, codes 0..15: Q4_1 / Q4_K)
+    group4vec  group4 on KernelPath.VECTOR: vdpbf16ps products at every row count, what the
+             fixed-point products (few rows, AVX-512 VNNI) and AMX tiles (many) replace
     group5   group_weight_linear bits 5 (codes 0..31, 5/8 of a byte each: Q5_0, Q5_1, Q5_K)
     group7   group_weight_linear bits 7 (codes 0..127, a byte each: Q6_K)
     group8   group_weight_linear bits 8 (codes 0..255: Q8_0)
@@ -45,7 +47,7 @@ from tokenmill.quantization.linear import Int8Linear
 RESULTS = Path(__file__).parent / "results"
 SHAPES = [("smollm2 qkv", 576, 1536), ("smollm2 gate_up", 576, 3072), ("smollm2 down", 1536, 576),
           ("gemma 640->2048", 640, 2048), ("gemma 2048->640", 2048, 640), ("gemma 1024->640", 1024, 640)]
-KERNELS = ["bf16", "int4", "group4", "group5", "group7", "group8", "int8", "int8fma"]
+KERNELS = ["bf16", "int4", "group4", "group4vec", "group5", "group7", "group8", "int8", "int8fma"]
 
 
 def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
@@ -70,6 +72,8 @@ def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
         "bf16": lambda x: ops.bf16_packed_linear(x, bf16, n, empty),
         "int4": lambda x: ops.int4_weight_linear(x, int4[0], int4[1], group),
         "group4": lambda x: ops.group_weight_linear(x, grouped[4][0], grouped[4][1], group, 4),
+        "group4vec": lambda x: ops.group_weight_linear(x, grouped[4][0], grouped[4][1], group, 4,
+                                                       path=ops.KernelPath.VECTOR),
         "group5": lambda x: ops.group_weight_linear(x, grouped[5][0], grouped[5][1], group, 5),
         "group7": lambda x: ops.group_weight_linear(x, grouped[7][0], grouped[7][1], group, 7),
         "group8": lambda x: ops.group_weight_linear(x, grouped[8][0], grouped[8][1], group, 8),
@@ -113,7 +117,10 @@ def main() -> None:
               + " | ".join(f"{k + ' ms':>10} {'GF/s':>5} {'x bf16':>6}" for k in KERNELS[1:]))
     amx = ops.amx_tiles()
     tiles = f"AMX tiles from {ops.amx_min_rows()} rows (TOKENMILL_AMX=0: none)" if amx else "no AMX tiles"
-    print(f"{args.threads} threads, group {args.group_size}, {args.mins} mins, weights hot, median per call; {tiles}")
+    fixed = ops.fixed_point_rows()
+    fixed_text = f"grouped codes on integer products below {fixed} rows" if fixed else "no fixed-point products"
+    print(f"{args.threads} threads, group {args.group_size}, {args.mins} mins, weights hot, median per call; {tiles}; "
+          f"{fixed_text}")
     print(header)
     print("-" * len(header))
     start = time.perf_counter()
@@ -131,7 +138,7 @@ def main() -> None:
                                for kn in KERNELS[1:]), flush=True)
     elapsed = time.perf_counter() - start
     result = {"threads": args.threads, "group_size": args.group_size, "mins": args.mins, "x_dtype": "bfloat16",
-              "amx_tiles": amx, "amx_min_rows": ops.amx_min_rows(),
+              "amx_tiles": amx, "amx_min_rows": ops.amx_min_rows(), "fixed_point_rows": fixed,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "seconds": round(elapsed, 1), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,3 +50,13 @@ def require_kernels() -> ModuleType:
     if ops is None:
         pytest.skip(off_reason(), allow_module_level=True)
     return ops
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo), for tests of which kernel paths
+    this host runs (the kernels are built with -march=native)."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.kernel_utils import require_kernels
+from tests.kernel_utils import cpu_flags, require_kernels
 from tokenmill.models.layers import linear
 
 kernels = require_kernels()
@@ -93,12 +93,7 @@ def test_rows_do_not_depend_on_the_batch_nor_the_threads(path):
 def test_amx_tiles_run_where_the_cpu_has_them():
     """On Linux, a host whose CPU flags name AMX-BF16 runs bfloat16 products on tiles (the build is
     -march=native, the process asks the kernel for the tile state); any other host on vectors."""
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+    flags = cpu_flags()
     assert kernels.amx_tiles() == ({"amx_tile", "amx_bf16"} <= flags)
     assert kernels.amx_min_rows() == (4 if kernels.amx_tiles() else 0)
 

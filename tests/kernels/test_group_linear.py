@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernel_utils import require_kernels
+from tests.kernel_utils import cpu_flags, require_kernels
 from tokenmill.kernels import dispatch
 from tokenmill.kernels.linear_spec import CpuLinearSpec, LinearKind
 from tokenmill.quantization import kernels as qk
@@ -111,9 +111,10 @@ def test_symmetric_mins_take_the_same_sums(bits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits, group_size, path):
     """On both paths: a row's result is the same alone, in any batch (the vector schedules' blocks,
-    AMX row tiles of 16 and their tails) and on any number of threads. Where the fastest path has
-    AMX tiles, bfloat16 calls of amx_min_rows() rows or more run on them: a row's result is the same
-    in every such call, and in a smaller call it is the vector schedules'."""
+    AMX row tiles of 16 and their tails) and on any number of threads. On the fastest path,
+    bfloat16 calls of fewer than fixed_point_rows() rows take integer products (the same in every
+    such call), and where there are AMX tiles, calls of amx_min_rows() rows or more run on them
+    (the same in every such call); other calls take the vector schedules."""
     n, k = 80, 192
     codes, scale, mins = _weights(n, k, group_size, bits, seed=11)
     packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
@@ -123,22 +124,91 @@ def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits, group_size
         return ops.group_weight_linear(rows, packed, sz, group_size, bits, path=kernel_path)
 
     together = mm(x)
-    tiles = path == "FASTEST" and dtype == torch.bfloat16 and ops.amx_tiles()
+    fastest_bf16 = path == "FASTEST" and dtype == torch.bfloat16
+    fixed = ops.fixed_point_rows() if fastest_bf16 else 0
+    tiles = fastest_bf16 and ops.amx_tiles()
     few = mm(x, ops.KernelPath.VECTOR) if tiles else together
-    want = (lambda m: together if m >= ops.amx_min_rows() else few) if tiles else (lambda m: together)
+    singles = torch.cat([mm(x[i:i + 1]) for i in range(300)]) if fixed else None
+
+    def want(m):
+        if m < fixed:
+            return singles
+        return few if tiles and m < ops.amx_min_rows() else together
+
     for i in range(0, 300, 13):
         assert torch.equal(mm(x[i:i + 1])[0], want(1)[i])
-    for m in (3, 4, 7, 15, 16, 17, 31, 32, 33):  # the schedules' block sizes, row tiles of 16 and tails
+    for m in (2, 3, 4, 7, 15, 16, 17, 31, 32, 33):  # the schedules' block sizes, row tiles of 16 and tails
         assert torch.equal(mm(x[:m]), want(m)[:m])
         assert torch.equal(mm(x[m:2 * m]), want(m)[m:2 * m])
-    five = mm(x[:5])
+    three, five = mm(x[:3]), mm(x[:5])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert torch.equal(mm(x), together)
+        assert torch.equal(mm(x[:3]), three)
         assert torch.equal(mm(x[:5]), five)
     finally:
         torch.set_num_threads(threads)
+
+
+def _fixed_point(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x as the fixed-point products see it: per group, 2^-s round(x 2^s), s = 13 - the exponent
+    of the group's largest |x| (so that its 8 bits fit and |round(x 2^s)| <= 2^14)."""
+    m, k = x.shape
+    xg = x.double().view(m, k // group_size, group_size)
+    amax = xg.abs().amax(-1, keepdim=True)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)), torch.zeros_like(amax))
+    s = (13 - e).clamp(-126, 126)
+    return (torch.round(xg * 2.0 ** s) * 2.0 ** -s).view(m, k)  # torch.round: to nearest even
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (5, 32), (5, 16), (7, 16), (8, 32)])
+def test_fixed_point_products_round_x_as_documented(bits, group_size, m):
+    """Few bfloat16 rows on the fastest path: x in 16-bit fixed point per group, exact integer sums.
+    The result is the float64 product with that x, rounded once to bfloat16; against the exact
+    x the difference is within 2^-14 of each group's largest |x| (groups here with one x 1000x
+    the others, where bfloat16 products would keep the small ones exactly)."""
+    if not ops.fixed_point_rows():
+        pytest.skip("no AVX-512 VNNI in this build: fewer-row calls keep the bfloat16 products")
+    n, k = 48, 256
+    codes, scale, mins = _weights(n, k, group_size, bits, seed=bits * m)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[:, ::group_size * 2] *= 1000  # every other group: one large value
+    x = x.bfloat16()
+    w = _dequantized(codes, scale, mins, group_size)
+    got = ops.group_weight_linear(x, packed, sz, group_size, bits, out_float32=True).double()
+    rounded = _fixed_point(x, group_size) @ w.T
+    assert not torch.equal(_fixed_point(x, group_size), x.double())  # the small ones were rounded
+    err = (got - rounded).abs()
+    assert (err <= 2 ** -8 * rounded.abs() + 1e-5 * rounded.abs().max()).all()
+    exact = x.double() @ w.T
+    amax = x.double().view(m, -1, group_size).abs().amax(-1)  # [m, G]
+    bound = (amax[:, None, :] * 2.0 ** -14 * w.abs().view(n, -1, group_size).sum(-1)[None]).sum(-1)
+    assert ((got - exact).abs() <= bound + 2 ** -8 * exact.abs() + 1e-5 * exact.abs().max()).all()
+
+
+def test_fixed_point_products_run_where_the_cpu_has_vnni():
+    """The build is -march=native: a host whose CPU flags name AVX-512 VNNI (and BF16, for the
+    vector kernels at all) takes integer products for bfloat16 calls of fewer than 4 rows."""
+    flags = cpu_flags()
+    has = ops.group_linear_fast() and {"avx512_vnni", "avx512_bf16"} <= flags
+    assert ops.fixed_point_rows() == (4 if has else 0)
+
+
+def test_fixed_point_products_keep_nan_and_inf():
+    """A NaN or infinity in x gives NaN outputs, as the float products do, not silent zeros."""
+    if not ops.fixed_point_rows():
+        pytest.skip("no AVX-512 VNNI in this build: fewer-row calls keep the bfloat16 products")
+    n, k, group_size = 32, 64, 32
+    codes, scale, mins = _weights(n, k, group_size, 4, seed=2)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, 4)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, k).bfloat16()
+        x[1, 40] = bad
+        got = ops.group_weight_linear(x, packed, sz, group_size, 4)
+        assert torch.isfinite(got[0]).all() and torch.isnan(got[1]).all()
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

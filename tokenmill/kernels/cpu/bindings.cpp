@@ -13,13 +13,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   py::native_enum<KernelPath>(m, "KernelPath", "enum.Enum",
                               "Which implementation a kernel runs: FASTEST (what the engine uses), PORTABLE (plain "
-                              "loops, for tests to compare against) or VECTOR (AVX-512 without AMX tiles)")
+                              "loops, for tests to compare against) or VECTOR (AVX-512 without AMX tiles or fixed-point x)")
       .value("FASTEST", KernelPath::Fastest, "the vectorized path this build has, else the portable one")
       .value("PORTABLE", KernelPath::Portable, "plain C++ loops")
-      .value("VECTOR", KernelPath::Vector, "the AVX-512 vector path even where AMX tiles would run")
+      .value("VECTOR", KernelPath::Vector, "the AVX-512 vector path even where AMX tiles or fixed-point products would run")
       .finalize();
   const auto path = py::arg("path") = KernelPath::Fastest;
 
+  m.def("argmax_rows", &argmax_rows,
+        "torch.argmax(x, -1) of float32 [rows, vocab] logits: the lowest index of each row's largest value, a NaN "
+        "counting as the largest (CPU)", py::arg("x"), py::kw_only(), path);
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("q"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"), py::arg("value_scale"),
         py::arg("block_tables"), py::arg("key_start"), py::arg("key_end"), py::arg("scale"), py::kw_only(), path);
@@ -34,6 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_weight_linear", &int4_weight_linear, "weight-only int4 linear, group-wise, any number of rows (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("scales_zeros"), py::arg("group_size"), py::kw_only(), path);
   m.def("group_linear_fast", &group_linear_fast, "whether group_weight_linear has its AVX-512 BF16 path");
+  m.def("fixed_point_rows", &fixed_point_rows,
+        "grouped-code calls with bfloat16 x and fewer rows than this take integer products, x in 16-bit fixed point "
+        "per group (0: none on this build); KernelPath.VECTOR keeps the bfloat16 products");
   m.def("group_weight_linear", &group_weight_linear,
         "weight-only linear over grouped codes (w = code * scale + min, bits 4, 5, 7 or 8), any number of rows (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("sz"), py::arg("group_size"), py::arg("bits"), py::kw_only(),

@@ -34,7 +34,8 @@
 //
 // Rounding: codes -> bfloat16 is exact, products are summed in float32 by vdpbf16ps; bfloat16 x is
 // used as is, float32 x is split into a bfloat16 high part and a bfloat16 low part (two products per
-// pair, about 16 bits of x kept). Activations are never quantized.
+// pair, about 16 bits of x kept). Activations are not quantized, except by the fixed-point schedule
+// below (bfloat16 x rounded to 15 bits beside its group's largest value).
 //
 // Two schedules, one sum. Every output is, whatever the schedule, the number of rows, the other
 // rows and the thread count:
@@ -57,6 +58,11 @@
 // (tile_column: per group, tile products from zero, stored, then the same group_end fold); fewer
 // rows and float32 x keep the vector schedules. There the vector units' folds, not the tile
 // products, set the pace: about 0.6-0.9 of bf16_linear.cpp's tiles with many rows.
+// Hosts with AVX-512 VNNI, bfloat16 x, calls of fewer than kFixedRows = 4 rows (a decode step):
+// integer products instead (strip_rows_fixed), x in 16-bit fixed point per group, codes widened
+// to int16, two vpdpwssd per 64 codes where vdpbf16ps needs two per 64 plus a table lookup each
+// (measured on the AMX host, one core, Q4_1-style codes hot in cache: 25 against 12 G weights/s).
+// KernelPath::VECTOR keeps the vector schedules at every row count (full batch invariance).
 // The price of grouped weights against bf16_linear.cpp (one dpbf16 per k pair and nothing else) is
 // the group ends, 2 float32 fmas per group_size / 2 dpbf16 of every accumulator, on the same two
 // pipes: at group_size 32 a bound of 16 / 18 = 89% of the bfloat16 GEMM's speed (94% when mn = 0,
@@ -69,6 +75,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -408,6 +415,212 @@ void tiles_few_rows(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
   for (; t < t_end; ++t) strip_few_rows<1>(p, unpack, t, y);
 }
 
+#if defined(__AVX512VNNI__)
+// Few bfloat16 rows (M < kFixedRows) on integer dot products: vdpbf16ps is slow on some hosts (one
+// per 2-3 cycles on the AMX Xeon of amx.h, against two vpdpwssd, 32 multiply-adds each, a cycle),
+// and a decode step is nothing but such calls. Codes widen to int16 words without a table and x
+// goes to 16-bit fixed point per group: x[k] = xi[k] * 2^-s, s from the group's largest |x| (that
+// one needs 8 bits, so |xi| <= 2^14 keeps every x of the group within 2^-6 of it exactly, the rest
+// to 2^-14 of the largest), Then a group's sum is exact in int32:
+//   acc = sum_k (code - o) xi[k] = sum_k code xi[k] - o sxi,   sxi = sum_k xi[k]
+//   res = fma(scale, float(acc) * 2^-s, res);  res = fma(mn, sxi * 2^-s, res)
+// with the same o and mn = min + o * scale as the float schedules (bits 7: o = 32, its codes are
+// below 64). Integer sums do not depend on their order, so rows, blocks and threads cannot change
+// a result either; what differs from the vector schedules is x's rounding to 15 bits beside the
+// group's largest, a relative error of at most 2^-15 of it (tests/kernels/test_group_linear.py).
+constexpr bool kFixedPoint = true;
+constexpr int64_t kFixedRows = 4;
+
+inline int fixed_offset(int bits) { return bits == 7 ? 32 : code_offset(bits); }
+
+// How far ahead (in chunks of 32 bytes) the fixed-point schedule prefetches its codes.
+constexpr int64_t kPrefetch = 16;
+
+// x in fixed point: xi [M, K] int16, and per group its sum sxi, the factor 2^-s and sx = sxi 2^-s.
+struct FixedX {
+  torch::Tensor xi, sxi, f, sx;
+};
+
+FixedX fixed_x(const uint16_t* xh, int64_t M, int64_t K, int64_t gs) {
+  const int64_t G = K / gs;
+  const auto opts = torch::TensorOptions().device(torch::kCPU);
+  FixedX fx{torch::empty({M, K}, opts.dtype(torch::kInt16)), torch::empty({M, G}, opts.dtype(torch::kInt32)),
+            torch::empty({M, G}, opts.dtype(torch::kFloat32)), torch::empty({M, G}, opts.dtype(torch::kFloat32))};
+  auto* xi = fx.xi.data_ptr<int16_t>();
+  auto* sxi = fx.sxi.data_ptr<int32_t>();
+  auto* f = fx.f.data_ptr<float>();
+  auto* sx = fx.sx.data_ptr<float>();
+  const auto* xb = reinterpret_cast<const c10::BFloat16*>(xh);
+  const auto pow2 = [](int e) {  // 2^e for e in [-126, 127]
+    const uint32_t bits = static_cast<uint32_t>(127 + e) << 23;
+    float v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+  };
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t k0 = m * K + g * gs;
+      __m512 mx = _mm512_setzero_ps();
+      __mmask16 nan = 0;  // vmaxps drops a NaN met before a number: counted apart
+      for (int64_t k = 0; k < gs; k += 16) {
+        const __m512 v = load16(xb + k0 + k);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+      }
+      const float amax = _mm512_reduce_max_ps(mx);
+      uint32_t bits;
+      std::memcpy(&bits, &amax, sizeof(bits));
+      const int e = amax > 0.f ? static_cast<int>((bits >> 23) & 255) - 127 : 0;
+      const int s = std::clamp(13 - e, -126, 126);
+      const __m512 up = _mm512_set1_ps(pow2(s));
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = 0; k < gs; k += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb + k0 + k), up));  // to nearest even
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xi + k0 + k), _mm512_cvtepi32_epi16(q));
+        sum = _mm512_add_epi32(sum, q);
+      }
+      sxi[m * G + g] = _mm512_reduce_add_epi32(sum);
+      // infinities and NaNs in x: NaN results, as the float schedules give
+      f[m * G + g] = !nan && amax <= std::numeric_limits<float>::max() ? pow2(-s)
+                                                                 : std::numeric_limits<float>::quiet_NaN();
+      sx[m * G + g] = static_cast<float>(sxi[m * G + g]) * f[m * G + g];
+    }
+  return fx;
+}
+
+// One 32-byte chunk of codes -> kPairs vectors of int16 codes (unsigned), in Unpack's word order.
+template <int Bits>
+struct UnpackInt;
+
+template <>
+struct UnpackInt<4> {
+  static constexpr int kPairs = 2;
+  inline void operator()(const uint8_t* tile, int64_t c, __m512i* v) const {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + c * 32)));
+    v[0] = _mm512_and_si512(b, _mm512_set1_epi16(0x0F));
+    v[1] = _mm512_srli_epi16(b, 4);
+  }
+};
+
+template <>
+struct UnpackInt<5> {
+  static constexpr int kPairs = 2;
+  inline void operator()(const uint8_t* tile, int64_t c, __m512i* v) const {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk_at(tile, c, 5))));
+    const __m512i h0 = _mm512_maskz_set1_epi16(static_cast<__mmask32>(fifth_bits(tile, c, 0)), 0x10);
+    const __m512i h1 = _mm512_maskz_set1_epi16(static_cast<__mmask32>(fifth_bits(tile, c, 1)), 0x10);
+    v[0] = _mm512_ternarylogic_epi32(b, _mm512_set1_epi16(0x0F), h0, 0xEA);  // (b & 15) | h0
+    v[1] = _mm512_or_si512(_mm512_srli_epi16(b, 4), h1);
+  }
+};
+
+template <int Bits>  // 7 and 8: a byte each
+struct UnpackInt {
+  static constexpr int kPairs = 1;
+  inline void operator()(const uint8_t* tile, int64_t c, __m512i* v) const {
+    v[0] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + c * 32)));
+  }
+};
+
+inline __m512i bcast_words(const int16_t* x, int64_t p) {
+  int32_t pair;
+  std::memcpy(&pair, x + 2 * p, sizeof(pair));
+  return _mm512_set1_epi32(pair);
+}
+
+// Rows m0 .. m0 + MB - 1 times tiles t0 .. t0 + NT - 1, two int32 accumulators per row and tile
+// (a chunk's two k pairs, or for a byte a chunk every other) for enough vpdpwssd chains.
+template <int MB, int NT, int Bits, typename T, typename S>
+void strip_rows_fixed(const Problem<S>& p, const FixedX& fx, int64_t t0, int64_t m0, T* y) {
+  constexpr int P = UnpackInt<Bits>::kPairs;
+  const UnpackInt<Bits> unpack;
+  const int64_t tile_bytes = tile_rows(p.K, p.bits) * 32;
+  const uint8_t* wt = p.w + t0 * tile_bytes;
+  const S* szt = p.sz + t0 * p.G * 32;
+  const int o = fixed_offset(p.bits);
+  const int16_t* xi = fx.xi.data_ptr<int16_t>() + m0 * p.K;
+  const int32_t* sxi = fx.sxi.data_ptr<int32_t>() + m0 * p.G;
+  const float* f = fx.f.data_ptr<float>() + m0 * p.G;
+  const float* sx = fx.sx.data_ptr<float>() + m0 * p.G;
+  __m512 res[MB][NT];
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) res[r][t] = _mm512_setzero_ps();
+  const int64_t chunks_per_group = p.gs / (2 * P);  // even: gs is a multiple of 16
+  for (int64_t g = 0; g < p.G; ++g) {
+    __m512i acc[MB][NT][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; ++r)
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_si512();
+    const int64_t c0 = g * chunks_per_group;
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) _mm_prefetch(reinterpret_cast<const char*>(szt + (t * p.G + g + 1) * 32), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int64_t c = c0; c < c0 + chunks_per_group; c += 2) {
+      // a decode step streams its weights from memory: ask for them kPrefetch chunks ahead (the
+      // hardware's streams alone left a core at about 6.6 GB/s on the AMX host, 8.5 with this)
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk_at(wt + t * tile_bytes, c + kPrefetch, Bits)), _MM_HINT_T0);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m512i v[NT][P];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) unpack(wt + t * tile_bytes, c + h, v[t]);
+#pragma GCC unroll 2
+        for (int i = 0; i < P; ++i)
+#pragma GCC unroll 4
+          for (int r = 0; r < MB; ++r) {
+            const __m512i xv = bcast_words(xi + r * p.K, (c + h) * P + i);
+            const int a = P == 2 ? i : h;
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; ++t) acc[r][t][a] = _mm512_dpwssd_epi32(acc[r][t][a], v[t][i], xv);
+          }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      __m512 scale, mn;
+      scale_min(szt + (t * p.G + g) * 32, p.shift_min, static_cast<float>(o), &scale, &mn);
+#pragma GCC unroll 4
+      for (int r = 0; r < MB; ++r) {
+        const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(acc[r][t][0], acc[r][t][1]),
+                                             _mm512_set1_epi32(o * sxi[r * p.G + g]));
+        const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(f[r * p.G + g]));
+        res[r][t] = group_end(res[r][t], part, scale, mn, sx + r * p.G + g);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) store_out(y + (m0 + r) * p.N + (t0 + t) * 16, res[r][t]);
+}
+
+// Tiles at once for M rows: 4 for one row (8 chains), 2 for two or three (registers).
+inline int fixed_tiles(int64_t M) { return M == 1 ? 4 : 2; }
+
+template <int Bits, typename T, typename S>
+void tiles_fixed(const Problem<S>& p, const FixedX& fx, int64_t t_begin, int64_t t_end, T* y) {
+  int64_t t = t_begin;
+  if (p.M == 1) {
+    for (; t + 4 <= t_end; t += 4) strip_rows_fixed<1, 4, Bits>(p, fx, t, 0, y);
+    for (; t < t_end; ++t) strip_rows_fixed<1, 1, Bits>(p, fx, t, 0, y);
+    return;
+  }
+  with_constant<kFixedRows - 1>(static_cast<int>(p.M), [&](auto rows) {
+    constexpr int MB = decltype(rows)::value;
+    for (; t + 2 <= t_end; t += 2) strip_rows_fixed<MB, 2, Bits>(p, fx, t, 0, y);
+    for (; t < t_end; ++t) strip_rows_fixed<MB, 1, Bits>(p, fx, t, 0, y);
+  });
+}
+#else
+constexpr bool kFixedPoint = false;
+constexpr int64_t kFixedRows = 0;
+#endif
+
 // Many rows: MB rows x NB tiles over a strip unpacked to bfloat16, w [K / 2][NB][32], smin
 // [G][NB][2][16] (scale, mn) as float32. The MB x NB group accumulators stay in registers (enough
 // independent vdpbf16ps chains to hide its latency); the results live in `res` (L1) between groups.
@@ -679,6 +892,8 @@ void tiles_amx(const Problem<S>& p, const tokenmill_amx::RowTiles& xs, int64_t t
 #endif
 #else
 constexpr bool kFast = false;
+constexpr bool kFixedPoint = false;
+constexpr int64_t kFixedRows = 0;
 #endif
 
 // Rows at which the unpack-once schedule takes over (the same sums either way: only speed).
@@ -724,6 +939,21 @@ void tiles_portable(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
 template <typename T, typename S>
 void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
   const int64_t tiles = p.N / 16;
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  // bfloat16 x, fewer than kFixedRows rows: x in fixed point, integer products (tiles_allowed: the
+  // fastest path; KernelPath::VECTOR keeps vdpbf16ps's sums at every row count)
+  if (!generic && tiles_ok && !p.xl && p.M < kFixedRows && p.gs % 16 == 0 &&
+      (p.shift_min || fixed_offset(p.bits) == code_offset(p.bits))) {
+    const FixedX fx = fixed_x(p.xh, p.M, p.K, p.gs);
+    at::parallel_for(0, tiles, fixed_tiles(p.M), [&](int64_t begin, int64_t end) {
+      if (p.bits == 4) tiles_fixed<4>(p, fx, begin, end, y);
+      else if (p.bits == 5) tiles_fixed<5>(p, fx, begin, end, y);
+      else if (p.bits == 7) tiles_fixed<7>(p, fx, begin, end, y);
+      else tiles_fixed<8>(p, fx, begin, end, y);
+    });
+    return;
+  }
+#endif
 #if defined(TOKENMILL_AMX)
   // bfloat16 x from kMinRows rows (a row's sums then do not depend on the other rows of such a
   // call); float32 x keeps the vector schedules (its two products per pair).
@@ -786,6 +1016,8 @@ torch::Tensor run_x(const torch::Tensor& x, const torch::Tensor& packed, const t
 }  // namespace
 
 bool group_linear_fast() { return kFast; }
+
+int64_t fixed_point_rows() { return kFixedPoint ? kFixedRows : 0; }
 
 torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
                                    int64_t group_size, int64_t bits, bool shift_min, bool out_float32,

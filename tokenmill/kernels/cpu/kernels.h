@@ -15,14 +15,17 @@
 enum class KernelPath {
   Fastest,   // the vectorized path this build has (AVX-512 / AVX-512 BF16), else the portable one
   Portable,  // plain C++ loops, whatever the build
-  Vector,    // the AVX-512 vector path even where AMX tiles would run (amx.h): for tests of kernels
-             // that have no tile path, which match the vector path bit for bit
+  Vector,    // the AVX-512 vector path even where AMX tiles (amx.h) or group_linear.cpp's fixed-point
+             // products would run: for tests of kernels that have neither, which match it bit for bit
 };
 
 // Whether a call may use AMX tiles.
 inline bool tiles_allowed(KernelPath path) { return path == KernelPath::Fastest; }
 
 inline bool is_portable(KernelPath path) { return path == KernelPath::Portable; }
+
+// argmax.cpp: torch.argmax(x, -1) of float32 [rows, vocab] logits (greedy sampling)
+torch::Tensor argmax_rows(torch::Tensor x, KernelPath path);
 
 // paged_attention.cpp
 bool supports_head_dim(int64_t D);
@@ -45,6 +48,9 @@ torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::T
 
 // group_linear.cpp: grouped codes, w = code * scale + min (GGUF's Q4_0 .. Q8_0, K-quants)
 bool group_linear_fast();
+// bfloat16 calls of fewer rows than this run grouped codes on integer products, x in 16-bit fixed
+// point per group (0: never, on this build)
+int64_t fixed_point_rows();
 // out_float32 with bfloat16 x: the outputs rounded to bfloat16 as usual, stored as float32 (logits
 // read as float32, without a conversion pass over them).
 torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,

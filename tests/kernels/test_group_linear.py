@@ -5,6 +5,10 @@ decode stack's GROUPED Linear."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -162,7 +166,7 @@ def _fixed_point(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return (torch.round(xg * 2.0 ** s) * 2.0 ** -s).view(m, k)  # torch.round: to nearest even
 
 
-@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (5, 32), (5, 16), (7, 16), (8, 32)])
 def test_fixed_point_products_round_x_as_documented(bits, group_size, m):
     """Few bfloat16 rows on the fastest path: x in 16-bit fixed point per group, exact integer sums.
@@ -191,10 +195,21 @@ def test_fixed_point_products_round_x_as_documented(bits, group_size, m):
 
 def test_fixed_point_products_run_where_the_cpu_has_vnni():
     """The build is -march=native: a host whose CPU flags name AVX-512 VNNI (and BF16, for the
-    vector kernels at all) takes integer products for bfloat16 calls of fewer than 4 rows."""
+    vector kernels at all) takes integer products for bfloat16 calls of 1-4 rows (unless
+    TOKENMILL_FIXED_ROWS moves the line)."""
     flags = cpu_flags()
     has = ops.group_linear_fast() and {"avx512_vnni", "avx512_bf16"} <= flags
-    assert ops.fixed_point_rows() == (4 if has else 0)
+    assert ops.fixed_point_rows() == (int(os.environ.get("TOKENMILL_FIXED_ROWS", 5)) if has else 0)
+
+
+def test_tokenmill_fixed_rows_moves_the_line():
+    """TOKENMILL_FIXED_ROWS (read once per process): 0 keeps the float products at every row count,
+    n takes integer products below n rows."""
+    code = "from tests.kernel_utils import require_kernels; print(require_kernels().fixed_point_rows())"
+    for value in ("0", "9"):
+        env = {**os.environ, "TOKENMILL_FIXED_ROWS": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip().splitlines()[-1] == (value if ops.fixed_point_rows() or value == "0" else "0")
 
 
 def test_fixed_point_products_keep_nan_and_inf():

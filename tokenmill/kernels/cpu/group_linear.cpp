@@ -58,11 +58,13 @@
 // (tile_column: per group, tile products from zero, stored, then the same group_end fold); fewer
 // rows and float32 x keep the vector schedules. There the vector units' folds, not the tile
 // products, set the pace: about 0.6-0.9 of bf16_linear.cpp's tiles with many rows.
-// Hosts with AVX-512 VNNI, bfloat16 x, calls of fewer than kFixedRows = 4 rows (a decode step):
-// integer products instead (strip_rows_fixed), x in 16-bit fixed point per group, codes widened
-// to int16, two vpdpwssd per 64 codes where vdpbf16ps needs two per 64 plus a table lookup each
-// (measured on the AMX host, one core, Q4_1-style codes hot in cache: 25 against 12 G weights/s).
-// KernelPath::VECTOR keeps the vector schedules at every row count (full batch invariance).
+// Hosts with AVX-512 VNNI, bfloat16 x, calls of 1-4 rows (M < kFixedRows = 5: decode steps of up
+// to 4 sequences): integer products instead of both (strip_rows_fixed), x in 16-bit fixed point per
+// group, codes widened to int16, two vpdpwssd per 64 codes where vdpbf16ps needs two per 64 plus a
+// table lookup each (measured on the AMX host, one core, Q4_1-style codes hot in cache: 20-25
+// against 12 G weights/s; 30 layers of SmolLM2 shapes streamed, 2 threads, 4 rows: 12.7 ms against
+// 13.9-15.9 on tiles, 8 rows: 19.5-26.9 against 16.2-17.5, hence 5). TOKENMILL_FIXED_ROWS=n moves
+// the line (0: off); KernelPath::VECTOR keeps the vector schedules at every row count.
 // The price of grouped weights against bf16_linear.cpp (one dpbf16 per k pair and nothing else) is
 // the group ends, 2 float32 fmas per group_size / 2 dpbf16 of every accumulator, on the same two
 // pipes: at group_size 32 a bound of 16 / 18 = 89% of the bfloat16 GEMM's speed (94% when mn = 0,
@@ -416,12 +418,12 @@ void tiles_few_rows(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
 }
 
 #if defined(__AVX512VNNI__)
-// Few bfloat16 rows (M < kFixedRows) on integer dot products: vdpbf16ps is slow on some hosts (one
+// Few bfloat16 rows (M < fixed_rows_limit(), kFixedRows by default) on integer dot products: vdpbf16ps is slow on some hosts (one
 // per 2-3 cycles on the AMX Xeon of amx.h, against two vpdpwssd, 32 multiply-adds each, a cycle),
 // and a decode step is nothing but such calls. Codes widen to int16 words without a table and x
 // goes to 16-bit fixed point per group: x[k] = xi[k] * 2^-s, s from the group's largest |x| (that
 // one needs 8 bits, so |xi| <= 2^14 keeps every x of the group within 2^-6 of it exactly, the rest
-// to 2^-14 of the largest), Then a group's sum is exact in int32:
+// to 2^-14 of the largest). Then a group's sum is exact in int32:
 //   acc = sum_k (code - o) xi[k] = sum_k code xi[k] - o sxi,   sxi = sum_k xi[k]
 //   res = fma(scale, float(acc) * 2^-s, res);  res = fma(mn, sxi * 2^-s, res)
 // with the same o and mn = min + o * scale as the float schedules (bits 7: o = 32, its codes are
@@ -429,7 +431,7 @@ void tiles_few_rows(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
 // a result either; what differs from the vector schedules is x's rounding to 15 bits beside the
 // group's largest, a relative error of at most 2^-15 of it (tests/kernels/test_group_linear.py).
 constexpr bool kFixedPoint = true;
-constexpr int64_t kFixedRows = 4;
+constexpr int64_t kFixedRows = 5;
 
 inline int fixed_offset(int bits) { return bits == 7 ? 32 : code_offset(bits); }
 
@@ -602,6 +604,8 @@ void strip_rows_fixed(const Problem<S>& p, const FixedX& fx, int64_t t0, int64_t
 // Tiles at once for M rows: 4 for one row (8 chains), 2 for two or three (registers).
 inline int fixed_tiles(int64_t M) { return M == 1 ? 4 : 2; }
 
+// Rows in blocks of at most 3 (as even as they come), each block over every strip of NT tiles
+// while the strip's codes are in L1: the codes stream from memory once per call.
 template <int Bits, typename T, typename S>
 void tiles_fixed(const Problem<S>& p, const FixedX& fx, int64_t t_begin, int64_t t_end, T* y) {
   int64_t t = t_begin;
@@ -610,15 +614,36 @@ void tiles_fixed(const Problem<S>& p, const FixedX& fx, int64_t t_begin, int64_t
     for (; t < t_end; ++t) strip_rows_fixed<1, 1, Bits>(p, fx, t, 0, y);
     return;
   }
-  with_constant<kFixedRows - 1>(static_cast<int>(p.M), [&](auto rows) {
-    constexpr int MB = decltype(rows)::value;
-    for (; t + 2 <= t_end; t += 2) strip_rows_fixed<MB, 2, Bits>(p, fx, t, 0, y);
-    for (; t < t_end; ++t) strip_rows_fixed<MB, 1, Bits>(p, fx, t, 0, y);
-  });
+  const int64_t blocks = (p.M + 2) / 3, base = p.M / blocks, extra = p.M % blocks;
+  auto strip = [&](auto nt, int64_t t0) {
+    for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+      const int rows = static_cast<int>(base + (b < extra));
+      with_constant<3>(rows, [&](auto mb) {
+        strip_rows_fixed<decltype(mb)::value, decltype(nt)::value, Bits>(p, fx, t0, m0, y);
+      });
+      m0 += rows;
+    }
+  };
+  for (; t + 2 <= t_end; t += 2) strip(std::integral_constant<int, 2>(), t);
+  for (; t < t_end; ++t) strip(std::integral_constant<int, 1>(), t);
+}
+
+// kFixedRows, or TOKENMILL_FIXED_ROWS (read once: 0 turns the fixed-point products off).
+int64_t fixed_rows_limit() {
+  static const int64_t limit = [] {
+    const char* v = std::getenv("TOKENMILL_FIXED_ROWS");
+    if (!v || !*v) return kFixedRows;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    TORCH_CHECK(end && *end == '\0' && n >= 0, "TOKENMILL_FIXED_ROWS must be a whole number >= 0, got '", v, "'");
+    return static_cast<int64_t>(n);
+  }();
+  return limit;
 }
 #else
 constexpr bool kFixedPoint = false;
 constexpr int64_t kFixedRows = 0;
+inline int64_t fixed_rows_limit() { return 0; }
 #endif
 
 // Many rows: MB rows x NB tiles over a strip unpacked to bfloat16, w [K / 2][NB][32], smin
@@ -894,6 +919,7 @@ void tiles_amx(const Problem<S>& p, const tokenmill_amx::RowTiles& xs, int64_t t
 constexpr bool kFast = false;
 constexpr bool kFixedPoint = false;
 constexpr int64_t kFixedRows = 0;
+inline int64_t fixed_rows_limit() { return 0; }
 #endif
 
 // Rows at which the unpack-once schedule takes over (the same sums either way: only speed).
@@ -940,9 +966,9 @@ template <typename T, typename S>
 void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
   const int64_t tiles = p.N / 16;
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  // bfloat16 x, fewer than kFixedRows rows: x in fixed point, integer products (tiles_allowed: the
+  // bfloat16 x, fewer than fixed_rows_limit() rows: x in fixed point, integer products (tiles_allowed: the
   // fastest path; KernelPath::VECTOR keeps vdpbf16ps's sums at every row count)
-  if (!generic && tiles_ok && !p.xl && p.M < kFixedRows && p.gs % 16 == 0 &&
+  if (!generic && tiles_ok && !p.xl && p.M < fixed_rows_limit() && p.gs % 16 == 0 &&
       (p.shift_min || fixed_offset(p.bits) == code_offset(p.bits))) {
     const FixedX fx = fixed_x(p.xh, p.M, p.K, p.gs);
     at::parallel_for(0, tiles, fixed_tiles(p.M), [&](int64_t begin, int64_t end) {
@@ -1017,7 +1043,7 @@ torch::Tensor run_x(const torch::Tensor& x, const torch::Tensor& packed, const t
 
 bool group_linear_fast() { return kFast; }
 
-int64_t fixed_point_rows() { return kFixedPoint ? kFixedRows : 0; }
+int64_t fixed_point_rows() { return kFixedPoint ? fixed_rows_limit() : 0; }
 
 torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
                                    int64_t group_size, int64_t bits, bool shift_min, bool out_float32,

@@ -524,12 +524,6 @@ struct UnpackInt {
   }
 };
 
-inline __m512i bcast_words(const int16_t* x, int64_t p) {
-  int32_t pair;
-  std::memcpy(&pair, x + 2 * p, sizeof(pair));
-  return _mm512_set1_epi32(pair);
-}
-
 // Rows m0 .. m0 + MB - 1 times tiles t0 .. t0 + NT - 1, two int32 accumulators per row and tile
 // (a chunk's two k pairs, or for a byte a chunk every other) for enough vpdpwssd chains.
 template <int MB, int NT, int Bits, typename T, typename S>
@@ -575,7 +569,7 @@ void strip_rows_fixed(const Problem<S>& p, const FixedX& fx, int64_t t0, int64_t
         for (int i = 0; i < P; ++i)
 #pragma GCC unroll 4
           for (int r = 0; r < MB; ++r) {
-            const __m512i xv = bcast_words(xi + r * p.K, (c + h) * P + i);
+            const __m512i xv = (__m512i)bcast_pair(reinterpret_cast<const uint16_t*>(xi + r * p.K), (c + h) * P + i);
             const int a = P == 2 ? i : h;
 #pragma GCC unroll 4
             for (int t = 0; t < NT; ++t) acc[r][t][a] = _mm512_dpwssd_epi32(acc[r][t][a], v[t][i], xv);
@@ -640,10 +634,17 @@ int64_t fixed_rows_limit() {
   }();
   return limit;
 }
+
+// Whether a call takes the fixed-point products (run) and so needs no prepare_x (run_x).
+inline bool fixed_applies(bool generic, bool tiles_ok, bool bf16_x, int64_t M, int64_t gs, int bits, bool shift_min) {
+  return !generic && tiles_ok && bf16_x && M < fixed_rows_limit() && gs % 16 == 0 &&
+         (shift_min || fixed_offset(bits) == code_offset(bits));
+}
 #else
 constexpr bool kFixedPoint = false;
 constexpr int64_t kFixedRows = 0;
 inline int64_t fixed_rows_limit() { return 0; }
+inline bool fixed_applies(bool, bool, bool, int64_t, int64_t, int, bool) { return false; }
 #endif
 
 // Many rows: MB rows x NB tiles over a strip unpacked to bfloat16, w [K / 2][NB][32], smin
@@ -920,7 +921,17 @@ constexpr bool kFast = false;
 constexpr bool kFixedPoint = false;
 constexpr int64_t kFixedRows = 0;
 inline int64_t fixed_rows_limit() { return 0; }
+inline bool fixed_applies(bool, bool, bool, int64_t, int64_t, int, bool) { return false; }
 #endif
+
+// f(std::integral_constant<int, bits>()) for bits 4, 5, 7 or 8 (any other: 8, as checked before).
+template <typename F>
+inline void with_bits(int bits, F&& f) {
+  if (bits == 4) f(std::integral_constant<int, 4>());
+  else if (bits == 5) f(std::integral_constant<int, 5>());
+  else if (bits == 7) f(std::integral_constant<int, 7>());
+  else f(std::integral_constant<int, 8>());
+}
 
 // Rows at which the unpack-once schedule takes over (the same sums either way: only speed).
 constexpr int64_t kGemmRows = 10;
@@ -968,14 +979,10 @@ void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   // bfloat16 x, fewer than fixed_rows_limit() rows: x in fixed point, integer products (tiles_allowed: the
   // fastest path; KernelPath::VECTOR keeps vdpbf16ps's sums at every row count)
-  if (!generic && tiles_ok && !p.xl && p.M < fixed_rows_limit() && p.gs % 16 == 0 &&
-      (p.shift_min || fixed_offset(p.bits) == code_offset(p.bits))) {
+  if (fixed_applies(generic, tiles_ok, !p.xl, p.M, p.gs, p.bits, p.shift_min)) {
     const FixedX fx = fixed_x(p.xh, p.M, p.K, p.gs);
     at::parallel_for(0, tiles, fixed_tiles(p.M), [&](int64_t begin, int64_t end) {
-      if (p.bits == 4) tiles_fixed<4>(p, fx, begin, end, y);
-      else if (p.bits == 5) tiles_fixed<5>(p, fx, begin, end, y);
-      else if (p.bits == 7) tiles_fixed<7>(p, fx, begin, end, y);
-      else tiles_fixed<8>(p, fx, begin, end, y);
+      with_bits(p.bits, [&](auto bits) { tiles_fixed<decltype(bits)::value>(p, fx, begin, end, y); });
     });
     return;
   }
@@ -988,10 +995,7 @@ void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
     std::vector<uint16_t> tail;
     const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(p.xh, p.M, p.K, tail);
     at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
-      if (p.bits == 4) tiles_amx<4>(p, xs, begin, end, y);
-      else if (p.bits == 5) tiles_amx<5>(p, xs, begin, end, y);
-      else if (p.bits == 7) tiles_amx<7>(p, xs, begin, end, y);
-      else tiles_amx<8>(p, xs, begin, end, y);
+      with_bits(p.bits, [&](auto bits) { tiles_amx<decltype(bits)::value>(p, xs, begin, end, y); });
     });
     return;
   }
@@ -1005,17 +1009,11 @@ void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
       const torch::Tensor panels = x_panels(p.xh, p.xl, p.M, p.K, rb);
       const auto* xp = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
       at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
-        if (p.bits == 4) tiles_many_rows<4>(p, xp, rb, begin, end, y);
-        else if (p.bits == 5) tiles_many_rows<5>(p, xp, rb, begin, end, y);
-        else if (p.bits == 7) tiles_many_rows<7>(p, xp, rb, begin, end, y);
-        else tiles_many_rows<8>(p, xp, rb, begin, end, y);
+        with_bits(p.bits, [&](auto bits) { tiles_many_rows<decltype(bits)::value>(p, xp, rb, begin, end, y); });
       });
     } else {
       at::parallel_for(0, tiles, few_rows_tiles(p.M), [&](int64_t begin, int64_t end) {
-        if (p.bits == 4) tiles_few_rows<4>(p, begin, end, y);
-        else if (p.bits == 5) tiles_few_rows<5>(p, begin, end, y);
-        else if (p.bits == 7) tiles_few_rows<7>(p, begin, end, y);
-        else tiles_few_rows<8>(p, begin, end, y);
+        with_bits(p.bits, [&](auto bits) { tiles_few_rows<decltype(bits)::value>(p, begin, end, y); });
       });
     }
     return;
@@ -1031,7 +1029,12 @@ torch::Tensor run_x(const torch::Tensor& x, const torch::Tensor& packed, const t
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16, G = K / gs;
   auto y = torch::empty({M, N}, out_float32 ? x.options().dtype(torch::kFloat32) : x.options());
   if (M == 0 || N == 0) return y;
-  const PreparedX px = prepare_x(x, gs, generic);
+  const bool bf16_x = x.scalar_type() == torch::kBFloat16;
+  PreparedX px;  // the fixed-point products prepare x themselves (fixed_x)
+  if (fixed_applies(generic, tiles_ok, bf16_x, M, gs, bits, shift_min))
+    px.h = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  else
+    px = prepare_x(x, gs, generic);
   const Problem<S> p{px.h, px.l, px.s, packed.data_ptr<uint8_t>(), sz.data_ptr<S>(), M, K, N, G, gs, bits, shift_min};
   if (x.scalar_type() == torch::kFloat32) run(p, y.data_ptr<float>(), generic, tiles_ok);
   else if (out_float32) run(p, reinterpret_cast<Bf16InFloat*>(y.data_ptr<float>()), generic, tiles_ok);

@@ -27,7 +27,7 @@ from tokenmill.models.base import CausalLM
 from tokenmill.quantization.calibration import calibration_ids
 from tokenmill.quantization.config import Int4GPTQConfig
 from tokenmill.quantization.linear import (
-    Int4Linear, Int8Linear, int4_group_params, int4_round, int4_search_params, pack_int4, pad_to_groups)
+    Int4Linear, Int8Linear, int4_group_params, int4_search_params, pack_int4, pad_to_groups)
 from tokenmill.quantization.targets import QuantizeContext, Target, cast_float_parameters, set_module
 
 
@@ -113,7 +113,11 @@ def _gptq_columns(w: torch.Tensor, h_inv: torch.Tensor, order: torch.Tensor, par
     (original column ``order[j]`` at position j), with h_inv the upper Cholesky factor of the
     permuted inverse Hessian: each column is rounded and its error, scaled by the factor's row,
     pushed onto the columns after it, within the block at once and onto later blocks in one
-    matmul per block. -> q int32 [N, Kp] in the permuted order."""
+    matmul per block. -> q int32 [N, Kp] in the permuted order.
+
+    A column costs a handful of vector operations (this loop runs once per input column of every
+    layer): levels q - 8 rounded as int4_round rounds them, the group's float32 parameters fetched
+    once per group, and the rank-1 update in place."""
     n, k = w.shape
     gs = params.group_size
     groups = (order // gs).tolist()
@@ -123,17 +127,23 @@ def _gptq_columns(w: torch.Tensor, h_inv: torch.Tensor, order: torch.Tensor, par
         end = min(start + block, k)
         w_block, h_block = w[:, start:end].clone(), h_inv[start:end, start:end]
         err_block = torch.zeros(n, end - start, device=w.device)
+        levels = torch.empty(n, end - start, device=w.device)  # q - 8, as int4_round rounds
+        diagonal = h_block.diagonal().tolist()
+        current = -1  # the group whose float32 (scale, zero) are at hand
         for i in range(end - start):
             col, g = start + i, groups[start + i]
             if col % gs == 0:  # dynamic groups only: the order is then the identity
                 params.begin(w_block[:, i:i + gs], g)
-            scale, zero = params.scale[:, g], params.zero[:, g]
-            q_col = int4_round(w_block[:, i:i + 1], scale, zero)[:, 0]
-            dq = (q_col.float() - 8) * scale.float() + zero.float()
-            q[:, col] = q_col
-            err = (w_block[:, i] - dq) / h_block[i, i]
-            w_block[:, i:] -= err[:, None] * h_block[i, i:][None, :]
+                current = -1
+            if g != current:
+                scale, zero, current = params.scale[:, g].float(), params.zero[:, g].float(), g
+            w_col = w_block[:, i]
+            u = torch.round((w_col - zero) / scale).clamp_(-8, 7)
+            levels[:, i] = u
+            err = (w_col - (u * scale + zero)).div_(diagonal[i])
+            w_block[:, i + 1:].sub_(err[:, None] * h_block[i, i + 1:][None, :])
             err_block[:, i] = err
+        q[:, start:end] = (levels + 8).to(torch.int32)
         w[:, end:] -= err_block @ h_inv[start:end, end:]
     return q
 

@@ -9,7 +9,6 @@
 // Semantics are torch.argmax's: the lowest index of the largest value; a NaN counts as larger than
 // every number (the first NaN wins); -0.0 and 0.0 are equal (the first of them wins).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -63,13 +62,13 @@ int64_t row_argmax(const float* x, int64_t V) {
 
 }  // namespace
 
-torch::Tensor argmax_rows(torch::Tensor x, KernelPath path) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+at::Tensor argmax_rows(at::Tensor x, KernelPath path) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "argmax_rows: x must be a float32 [rows, vocab] CPU tensor");
   TORCH_CHECK(x.size(1) > 0, "argmax_rows: x has no columns");
   const auto xc = x.contiguous();
   const int64_t B = xc.size(0), V = xc.size(1);
-  auto out = torch::empty({B}, torch::dtype(torch::kInt64));
+  auto out = at::empty({B}, at::dtype(at::kLong));
   const float* xp = xc.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   const bool portable = is_portable(path);

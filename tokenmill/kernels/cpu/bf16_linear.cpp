@@ -28,8 +28,8 @@
 // such a host, 2 threads, weights hot: 576 -> 3072 at 256 rows 893 GFLOP/s against 122 for the
 // vector path and 1,059 for oneDNN.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/constant_pad_nd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -226,8 +226,8 @@ int64_t amx_min_rows() {
 }
 
 // weight [N, K] bfloat16, K even -> packed [ceil(N / 16), K / 2, 16, 2] bfloat16.
-torch::Tensor bf16_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "bf16_pack: weight must be bfloat16 [N, K]");
+at::Tensor bf16_pack(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bf16_pack: weight must be bfloat16 [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(K % 2 == 0, "bf16_pack: in_features must be even");
   const int64_t tiles = (N + 15) / 16;
@@ -237,20 +237,20 @@ torch::Tensor bf16_pack(torch::Tensor weight) {
 }
 
 // x [M, K] bfloat16, packed from bf16_pack of a [N, K] weight, bias [N] (float32, bfloat16) or empty.
-torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
+at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, int64_t N, at::Tensor bias,
                                  bool out_float32, KernelPath path) {
   TORCH_CHECK(kFast, "bf16_packed_linear needs AVX-512 BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "bf16_packed_linear: x must be bfloat16 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_packed_linear: x must be bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), tiles = (N + 15) / 16;
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(0) == tiles &&
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(0) == tiles &&
                   packed.size(1) * 2 == K && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
               "bf16_packed_linear: packed weight does not match x [", M, ", ", K, "] and N ", N);
   auto xc = x.contiguous();
-  auto out = torch::empty({M, N}, out_float32 ? x.options().dtype(torch::kFloat32) : x.options());
-  torch::Tensor bf;
+  auto out = at::empty({M, N}, out_float32 ? x.options().dtype(at::kFloat) : x.options());
+  at::Tensor bf;
   if (bias.defined() && bias.numel()) {
     TORCH_CHECK(bias.numel() == N, "bf16_packed_linear: bias must be [", N, "]");
-    bf = bias.to(torch::kFloat32).contiguous();
+    bf = bias.to(at::kFloat).contiguous();
   }
   if (M == 0 || N == 0) return out;
 #if defined(__AVX512BF16__)
@@ -285,7 +285,7 @@ torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 #ifdef TM_STANDALONE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack);
-  m.def("bf16_packed_linear", [](torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias, bool out_float32,
+  m.def("bf16_packed_linear", [](at::Tensor x, at::Tensor packed, int64_t N, at::Tensor bias, bool out_float32,
                                  bool vector) {
     return bf16_packed_linear(x, packed, N, bias, out_float32, vector ? KernelPath::Vector : KernelPath::Fastest);
   });

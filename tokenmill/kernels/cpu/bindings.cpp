@@ -4,10 +4,13 @@
 // so Python code never passes a bare flag and the engine never passes it at all.
 
 #include <pybind11/native_enum.h>
-#include <torch/extension.h>
+#include <torch/python.h>  // pybind11 and its tensor casters, without torch/all.h (C++ frontend, autograd)
 
 #include "amx.h"
 #include "kernels.h"
+
+// decoder.cpp: rms_norm, qkv_rope, act_mul, LinearKind, Linear and DecodeStack
+void bind_decoder(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;

@@ -18,7 +18,7 @@
 // top-k as torch.topk selects, then each active expert once over its gathered rows with the
 // linear kernels and act_mul above, summed in float32 in SparseMoE.run_experts' order.
 
-#include <torch/extension.h>
+#include <torch/python.h>  // pybind11 and its tensor casters, without torch/all.h (C++ frontend, autograd)
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -93,11 +93,11 @@ void rms_rows(const T* x, const W* w, T* out, int64_t rows, int64_t C, float eps
 
 #define TM_DISPATCH_FLOAT(TYPE, NAME, ...)                                        \
   [&] {                                                                           \
-    if ((TYPE) == torch::kFloat32) {                                              \
+    if ((TYPE) == at::kFloat) {                                              \
       using NAME = float;                                                         \
       return __VA_ARGS__();                                                       \
     }                                                                             \
-    TORCH_CHECK((TYPE) == torch::kBFloat16, "expected float32 or bfloat16 data"); \
+    TORCH_CHECK((TYPE) == at::kBFloat16, "expected float32 or bfloat16 data"); \
     using NAME = at::BFloat16;                                                    \
     return __VA_ARGS__();                                                         \
   }()
@@ -105,11 +105,11 @@ void rms_rows(const T* x, const W* w, T* out, int64_t rows, int64_t C, float eps
 }  // namespace
 
 // x [..., C] float32 or bfloat16; weight [C] float32 or x's dtype.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool cast_before_scale) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps, bool cast_before_scale) {
   const int64_t C = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == C, "rms_norm: weight must be [", C, "]");
   auto xc = x.contiguous(), wc = weight.contiguous();
-  auto out = torch::empty_like(xc);
+  auto out = at::empty_like(xc);
   const int64_t rows = C ? xc.numel() / C : 0;
   TM_DISPATCH_FLOAT(xc.scalar_type(), T, [&] {
     TM_DISPATCH_FLOAT(wc.scalar_type(), W, [&] {
@@ -138,9 +138,9 @@ inline void rope_head(T* x, const T* cos, const T* sin, int64_t D) {
 
 // qkv [T, (H + 2 Hkv) D] (one linear's output) -> q [T, H, D], k [T, Hkv, D] with QK-norm (when
 // its weights are given) and RoPE applied, v [T, Hkv, D]; cos/sin [T, D] in qkv's dtype.
-std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, int64_t H, int64_t Hkv, int64_t D, torch::Tensor cos,
-                                    torch::Tensor sin, std::optional<torch::Tensor> q_norm,
-                                    std::optional<torch::Tensor> k_norm, double eps, bool cast_before_scale) {
+std::vector<at::Tensor> qkv_rope(at::Tensor qkv, int64_t H, int64_t Hkv, int64_t D, at::Tensor cos,
+                                    at::Tensor sin, std::optional<at::Tensor> q_norm,
+                                    std::optional<at::Tensor> k_norm, double eps, bool cast_before_scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv_rope: qkv must be [T, (H + 2 Hkv) D]");
   TORCH_CHECK(D % 2 == 0 && D <= 512, "qkv_rope: head_dim must be even and at most 512");
   const int64_t T_ = qkv.size(0);
@@ -148,9 +148,9 @@ std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, int64_t H, int64_t Hkv, i
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "qkv_rope: give both QK-norm weights or neither");
   auto src = qkv.contiguous();
   auto opts = src.options();
-  auto q = torch::empty({T_, H, D}, opts), k = torch::empty({T_, Hkv, D}, opts), v = torch::empty({T_, Hkv, D}, opts);
+  auto q = at::empty({T_, H, D}, opts), k = at::empty({T_, Hkv, D}, opts), v = at::empty({T_, Hkv, D}, opts);
   auto cs = cos.to(src.scalar_type()).contiguous(), sn = sin.to(src.scalar_type()).contiguous();
-  torch::Tensor qn, kn;
+  at::Tensor qn, kn;
   if (q_norm) qn = q_norm->contiguous(), kn = k_norm->contiguous();
   TM_DISPATCH_FLOAT(src.scalar_type(), T, [&] {
     const T* s = src.data_ptr<T>();
@@ -202,11 +202,11 @@ inline __m512 act_mul16(__m512 g, __m512 u, bool gelu) {
 }  // namespace
 
 // gate_up [T, 2 I] -> act(gate) * up [T, I]; act: silu, or gelu with the tanh approximation.
-torch::Tensor act_mul(torch::Tensor gate_up, bool gelu_tanh_act) {
+at::Tensor act_mul(at::Tensor gate_up, bool gelu_tanh_act) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "act_mul: gate_up must be [T, 2 I]");
   auto src = gate_up.contiguous();
   const int64_t T_ = src.size(0), I = src.size(1) / 2;
-  auto out = torch::empty({T_, I}, src.options());
+  auto out = at::empty({T_, I}, src.options());
   TM_DISPATCH_FLOAT(src.scalar_type(), T, [&] {
     const T* s = src.data_ptr<T>();
     T* o = out.data_ptr<T>();
@@ -248,19 +248,19 @@ enum class LinearKind {
 // to out_features; Grouped has bits 4, 5, 7 or 8; SparseBf16 has scales (its masks) and offsets.
 struct Linear {
   LinearKind kind = LinearKind::Dense;
-  torch::Tensor weight, scales, bias;  // scales, bias: undefined when absent
-  torch::Tensor offsets;               // SparseBf16 only: where each output tile's values start
+  at::Tensor weight, scales, bias;  // scales, bias: undefined when absent
+  at::Tensor offsets;               // SparseBf16 only: where each output tile's values start
   int64_t out_features = 0;
   int64_t in_features = 0;  // columns the kernel takes: the layer's own, or Int4's padded to whole groups
   int64_t group_size = 0;   // Int4 and Grouped only
   int64_t bits = 0;         // Grouped only: 4, 5, 7 or 8
 
   Linear() = default;
-  Linear(LinearKind kind_, torch::Tensor weight_, int64_t out_features_, int64_t in_features_,
-         std::optional<torch::Tensor> scales_, std::optional<torch::Tensor> bias_, int64_t group_size_,
-         int64_t bits_, std::optional<torch::Tensor> offsets_)
-      : kind(kind_), weight(std::move(weight_)), scales(scales_ ? *scales_ : torch::Tensor()),
-        bias(bias_ ? *bias_ : torch::Tensor()), offsets(offsets_ ? *offsets_ : torch::Tensor()),
+  Linear(LinearKind kind_, at::Tensor weight_, int64_t out_features_, int64_t in_features_,
+         std::optional<at::Tensor> scales_, std::optional<at::Tensor> bias_, int64_t group_size_,
+         int64_t bits_, std::optional<at::Tensor> offsets_)
+      : kind(kind_), weight(std::move(weight_)), scales(scales_ ? *scales_ : at::Tensor()),
+        bias(bias_ ? *bias_ : at::Tensor()), offsets(offsets_ ? *offsets_ : at::Tensor()),
         out_features(out_features_), in_features(in_features_), group_size(group_size_), bits(bits_) {
     const bool grouped = kind == LinearKind::Int4 || kind == LinearKind::Grouped;
     TORCH_CHECK(weight.defined() && out_features > 0 && in_features > 0,
@@ -276,12 +276,12 @@ struct Linear {
                 "Linear: SPARSE_BF16 needs its masks (scales) and offsets");
   }
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
       case LinearKind::Dense:
-        return at::linear(x, weight, bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt);
+        return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
       case LinearKind::Bf16Packed:
-        return bf16_packed_linear(x, weight, out_features, bias.defined() ? bias : torch::Tensor());
+        return bf16_packed_linear(x, weight, out_features, bias.defined() ? bias : at::Tensor());
       case LinearKind::Int8: {
         const auto y = int8_weight_linear(x, weight, scales, KernelPath::Fastest);
         return bias.defined() ? y + bias : y;
@@ -298,7 +298,7 @@ struct Linear {
       }
       case LinearKind::SparseBf16:
         return sparse_bf16_linear(x, weight, scales, offsets,
-                                  bias.defined() ? std::optional<torch::Tensor>(bias) : std::nullopt, out_features);
+                                  bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, out_features);
     }
     TORCH_CHECK(false, "Linear: unknown kind");
   }
@@ -307,8 +307,8 @@ struct Linear {
 // One fused module's stacked LoRA adapter weights (tokenmill.lora.slots.ModuleStack): the update
 // lora_add (lora.cpp) adds to the module's output for each token of the step with an adapter slot.
 struct LoraWeights {
-  torch::Tensor A, B, part_starts;
-  std::optional<torch::Tensor> A_scale, B_scale;  // int8 A and B: their per-row scales
+  at::Tensor A, B, part_starts;
+  std::optional<at::Tensor> A_scale, B_scale;  // int8 A and B: their per-row scales
 };
 
 // The modules of a layer LoRA may adapt, in the order of Layer::lora.
@@ -321,13 +321,13 @@ enum LoraModule : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 // scaled by the weights and summed (experts in ascending order), plus the shared expert (scaled by
 // sigmoid(shared_gate x) when it has a gate), rounded once to the model dtype.
 struct MoE {
-  torch::Tensor router;                 // float32 [E, hidden]
+  at::Tensor router;                 // float32 [E, hidden]
   int64_t top_k = 0;
   bool norm_topk_prob = false;
   bool sigmoid = false;                 // scores: sigmoid per expert, else softmax over the experts
   std::vector<Linear> gate_up, down;    // expert e's: [2 I, hidden], [hidden, I]
   Linear shared_gate_up, shared_down;   // the shared expert's; weight undefined: none
-  torch::Tensor shared_gate;            // float32 [1, hidden], or undefined: no gate
+  at::Tensor shared_gate;            // float32 [1, hidden], or undefined: no gate
 
   int64_t experts() const { return router.size(0); }
 };
@@ -336,20 +336,20 @@ struct Layer {
   Linear qkv, o, gate_up, down;  // gate_up, down: undefined weights for an MoE layer
   std::optional<MoE> moe;        // the layer's MLP is this mixture of experts (add_moe)
   std::array<std::optional<LoraWeights>, 4> lora;  // qkv, o, gate_up, down: set_lora's, else none
-  torch::Tensor attn_norm, ffn_norm, post_attn_norm, post_ffn_norm, q_norm, k_norm;
+  at::Tensor attn_norm, ffn_norm, post_attn_norm, post_ffn_norm, q_norm, k_norm;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, rope = 0, plan = 0;
   double scale = 1.0;
   bool gelu_tanh = false;
-  torch::Tensor keys, values, key_scales, value_scales;  // this layer's cache blocks
+  at::Tensor keys, values, key_scales, value_scales;  // this layer's cache blocks
 };
 
 // One attention plan of a decode step: what the layers that share a KV group and window read and
 // write for each sequence b of the batch.
 struct DecodePlan {
-  torch::Tensor slots;         // int64 [B]: the cache slot of b's new key and value
-  torch::Tensor block_tables;  // int32 [B, W]: b's blocks, padded with the null block
-  torch::Tensor key_start;     // int32 [B]: b attends to keys key_start[b] .. key_end[b] - 1
-  torch::Tensor key_end;       // int32 [B]
+  at::Tensor slots;         // int64 [B]: the cache slot of b's new key and value
+  at::Tensor block_tables;  // int32 [B, W]: b's blocks, padded with the null block
+  at::Tensor key_start;     // int32 [B]: b attends to keys key_start[b] .. key_end[b] - 1
+  at::Tensor key_end;       // int32 [B]
 };
 
 // A stack of decoder layers bound to one KV cache: run() takes the hidden states of a step whose
@@ -361,10 +361,10 @@ class DecodeStack {
   // rope: which of run()'s RoPE tables the layer uses; plan: which of its attention plans.
   // gate_up, down: the dense MLP, or none for a layer whose MLP add_moe gives next; gelu_tanh: the
   // MLP's activation (every expert's, for an MoE layer).
-  void add_layer(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qk_norms, Linear qkv, Linear o,
+  void add_layer(std::vector<at::Tensor> norms, std::vector<at::Tensor> qk_norms, Linear qkv, Linear o,
                  std::optional<Linear> gate_up, std::optional<Linear> down, int64_t heads, int64_t kv_heads,
                  int64_t head_dim, double scale, bool gelu_tanh, int64_t rope, int64_t plan,
-                 std::vector<torch::Tensor> cache) {
+                 std::vector<at::Tensor> cache) {
     TORCH_CHECK(gate_up.has_value() == down.has_value(), "add_layer: give gate_up and down, or neither (MoE)");
     TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "norms: attn, ffn (and post_attn, post_ffn)");
     TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2, "qk_norms: none or q and k");
@@ -386,14 +386,14 @@ class DecodeStack {
   // float32 [E, hidden], top_k of the E experts per token, expert e's gate_up[e] and down[e], and
   // optionally a shared expert (shared_gate_up, shared_down) with its float32 gate [1, hidden].
   // run() hands back each MoE layer's routing, in layer order (its routing_ids, routing_scores).
-  void add_moe(torch::Tensor router, int64_t top_k, bool norm_topk_prob, bool sigmoid, std::vector<Linear> gate_up,
+  void add_moe(at::Tensor router, int64_t top_k, bool norm_topk_prob, bool sigmoid, std::vector<Linear> gate_up,
                std::vector<Linear> down, std::optional<Linear> shared_gate_up, std::optional<Linear> shared_down,
-               std::optional<torch::Tensor> shared_gate) {
+               std::optional<at::Tensor> shared_gate) {
     TORCH_CHECK(!layers_.empty(), "add_moe: add its layer first");
     Layer& l = layers_.back();
     TORCH_CHECK(!l.moe && !l.gate_up.weight.defined(), "add_moe: the last layer already has its MLP");
     const int64_t hidden = l.ffn_norm.size(0);
-    TORCH_CHECK(router.dim() == 2 && router.scalar_type() == torch::kFloat32 && router.size(1) == hidden &&
+    TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.size(1) == hidden &&
                     router.size(0) > 0 && router.is_contiguous(),
                 "add_moe: router must be a contiguous float32 [experts, ", hidden, "]");
     const int64_t E = router.size(0);
@@ -406,7 +406,7 @@ class DecodeStack {
     TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value(),
                 "add_moe: give the shared expert's gate_up and down, or neither");
     TORCH_CHECK(!shared_gate || shared_gate_up, "add_moe: a shared gate needs a shared expert");
-    TORCH_CHECK(!shared_gate || (shared_gate->scalar_type() == torch::kFloat32 && shared_gate->dim() == 2 &&
+    TORCH_CHECK(!shared_gate || (shared_gate->scalar_type() == at::kFloat && shared_gate->dim() == 2 &&
                                  shared_gate->size(0) == 1 && shared_gate->size(1) == hidden),
                 "add_moe: shared_gate must be float32 [1, ", hidden, "]");
     MoE m;
@@ -423,8 +423,8 @@ class DecodeStack {
 
   // The LoRA stacks of ``module`` (LoraModule) of ``layer``: run() with lora_slots adds their update.
   // The tensors are held, not copied: assigning a slot in place is seen by the next run().
-  void set_lora(int64_t layer, int64_t module, torch::Tensor A, torch::Tensor B, torch::Tensor part_starts,
-                std::optional<torch::Tensor> A_scale, std::optional<torch::Tensor> B_scale) {
+  void set_lora(int64_t layer, int64_t module, at::Tensor A, at::Tensor B, at::Tensor part_starts,
+                std::optional<at::Tensor> A_scale, std::optional<at::Tensor> B_scale) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && module >= 0 && module < 4,
                 "set_lora: no layer ", layer, " module ", module);
     TORCH_CHECK(module < kGateUp || !layers_[layer].moe, "set_lora: layer ", layer,
@@ -440,7 +440,7 @@ class DecodeStack {
   // Tensors whose change leaves the stack stale (the weights it holds packed copies of):
   // unchanged() tells whether each still has the data, version and shape it had when watched. An
   // nn.Parameter assigned its .data keeps its version but not its data pointer.
-  void watch(std::vector<torch::Tensor> tensors) {
+  void watch(std::vector<at::Tensor> tensors) {
     for (auto& t : tensors) {
       Watched w{t, t._version(), t.data_ptr(), t.sizes().vec()};
       watched_.push_back(std::move(w));
@@ -461,25 +461,25 @@ class DecodeStack {
   // routing_ids int64 [M, B, top_k], routing_scores float32 [M, B, experts] (contiguous; M the
   // stack's MoE layers), when given, receive each MoE layer's expert ids and router scores, as
   // tokenmill.models.moe.route returns them.
-  torch::Tensor run(torch::Tensor h, std::vector<std::pair<torch::Tensor, torch::Tensor>> ropes,
-                    std::vector<DecodePlan> plans, std::optional<torch::Tensor> lora_slots,
-                    std::optional<torch::Tensor> routing_ids, std::optional<torch::Tensor> routing_scores) const {
+  at::Tensor run(at::Tensor h, std::vector<std::pair<at::Tensor, at::Tensor>> ropes,
+                    std::vector<DecodePlan> plans, std::optional<at::Tensor> lora_slots,
+                    std::optional<at::Tensor> routing_ids, std::optional<at::Tensor> routing_scores) const {
     const int64_t B = h.size(0);
     int64_t moe_layers = 0;
     for (const Layer& l : layers_) moe_layers += l.moe.has_value();
     if (routing_ids)
-      TORCH_CHECK(routing_ids->scalar_type() == torch::kInt64 && routing_ids->is_contiguous() &&
+      TORCH_CHECK(routing_ids->scalar_type() == at::kLong && routing_ids->is_contiguous() &&
                       routing_ids->dim() == 3 && routing_ids->size(0) == moe_layers && routing_ids->size(1) == B,
                   "DecodeStack.run: routing_ids must be a contiguous int64 [", moe_layers, ", ", B, ", top_k]");
     if (routing_scores)
-      TORCH_CHECK(routing_scores->scalar_type() == torch::kFloat32 && routing_scores->is_contiguous() &&
+      TORCH_CHECK(routing_scores->scalar_type() == at::kFloat && routing_scores->is_contiguous() &&
                       routing_scores->dim() == 3 && routing_scores->size(0) == moe_layers &&
                       routing_scores->size(1) == B,
                   "DecodeStack.run: routing_scores must be a contiguous float32 [", moe_layers, ", ", B,
                   ", experts]");
     MoEScratch scratch;
     int64_t moe_index = 0;
-    auto adapt = [&](const Layer& l, LoraModule m, const torch::Tensor& x, torch::Tensor& y) {
+    auto adapt = [&](const Layer& l, LoraModule m, const at::Tensor& x, at::Tensor& y) {
       if (!lora_slots || !l.lora[m]) return;
       const LoraWeights& w = *l.lora[m];
       lora_add(x, y, *lora_slots, w.A, w.B, w.part_starts, w.A_scale, w.B_scale, KernelPath::Fastest);
@@ -493,8 +493,8 @@ class DecodeStack {
       auto fused_qkv = l.qkv(x);
       adapt(l, kQkv, x, fused_qkv);
       auto qkv = qkv_rope(fused_qkv, l.heads, l.kv_heads, l.head_dim, cos, sin,
-                          l.q_norm.defined() ? std::optional<torch::Tensor>(l.q_norm) : std::nullopt,
-                          l.k_norm.defined() ? std::optional<torch::Tensor>(l.k_norm) : std::nullopt, eps_, cast_);
+                          l.q_norm.defined() ? std::optional<at::Tensor>(l.q_norm) : std::nullopt,
+                          l.k_norm.defined() ? std::optional<at::Tensor>(l.k_norm) : std::nullopt, eps_, cast_);
       write_kv(l, plan.slots, qkv[1], qkv[2]);
       auto attn = paged_decode_attention(qkv[0], l.keys, l.values, l.key_scales.defined() ? l.key_scales : empty_,
                                          l.value_scales.defined() ? l.value_scales : empty_, plan.block_tables,
@@ -506,15 +506,15 @@ class DecodeStack {
       if (l.post_attn_norm.defined()) a = rms_norm(a, l.post_attn_norm, eps_, cast_);
       h = h + a;
       auto x2 = rms_norm(h, l.ffn_norm, eps_, cast_);
-      torch::Tensor m;
+      at::Tensor m;
       if (l.moe) {
         const MoE& moe = *l.moe;
         TORCH_CHECK(!routing_ids || routing_ids->size(2) == moe.top_k,
                     "DecodeStack.run: routing_ids must have top_k = ", moe.top_k, " columns");
         TORCH_CHECK(!routing_scores || routing_scores->size(2) == moe.experts(),
                     "DecodeStack.run: routing_scores must have ", moe.experts(), " columns");
-        m = moe_mlp(moe, x2, l.gelu_tanh, routing_ids ? (*routing_ids)[moe_index] : torch::Tensor(),
-                    routing_scores ? (*routing_scores)[moe_index] : torch::Tensor(), scratch);
+        m = moe_mlp(moe, x2, l.gelu_tanh, routing_ids ? (*routing_ids)[moe_index] : at::Tensor(),
+                    routing_scores ? (*routing_scores)[moe_index] : at::Tensor(), scratch);
         ++moe_index;
       } else {
         TORCH_CHECK(l.gate_up.weight.defined(), "DecodeStack.run: a layer without its MLP (add_moe missing)");
@@ -544,11 +544,11 @@ class DecodeStack {
   // SparseMoE.forward of x [B, hidden] (ffn_norm's output) without a capacity limit -> [B, hidden]
   // in x's dtype. ids [B, top_k] and scores [B, E] (views into run()'s routing outputs, or
   // undefined) receive the routing.
-  static torch::Tensor moe_mlp(const MoE& moe, const torch::Tensor& x, bool gelu, torch::Tensor ids,
-                               torch::Tensor scores, MoEScratch& s) {
+  static at::Tensor moe_mlp(const MoE& moe, const at::Tensor& x, bool gelu, at::Tensor ids,
+                               at::Tensor scores, MoEScratch& s) {
     const int64_t B = x.size(0), H = x.size(1), E = moe.experts(), K = moe.top_k;
     // Router: float32 logits and scores, by the very operations route() runs.
-    const auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
+    const auto xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
     const auto logits = at::linear(xf, moe.router);
     if (scores.defined()) {
       if (moe.sigmoid) at::sigmoid_out(scores, logits);
@@ -568,7 +568,7 @@ class DecodeStack {
     for (int64_t i = 0; i < B * K; ++i) ++s.counts[id[i]];
     for (int64_t e = 0, start = 0; e < E; start += s.counts[e++]) s.starts[e] = start;
     s.row_token.resize(B * K), s.row_weight.resize(B * K);
-    auto gathered = torch::empty({B * K, H}, x.options());
+    auto gathered = at::empty({B * K, H}, x.options());
     const auto row_bytes = H * x.element_size();
     TORCH_CHECK(x.is_contiguous(), "DecodeStack: the MoE input must be contiguous");
     const char* src = static_cast<const char*>(x.data_ptr());
@@ -582,7 +582,7 @@ class DecodeStack {
     }
 
     // Each active expert once over its rows; out[token] += float(y[row]) * weight, float32.
-    auto out = torch::zeros({B, H}, x.options().dtype(torch::kFloat32));
+    auto out = at::zeros({B, H}, x.options().dtype(at::kFloat));
     float* acc = out.data_ptr<float>();
     for (int64_t e = 0, start = 0; e < E; start += s.counts[e++]) {
       const int64_t n = s.counts[e];
@@ -598,13 +598,13 @@ class DecodeStack {
     }
 
     // The shared expert (gated), then the one rounding to the model dtype.
-    torch::Tensor shared, gate;
+    at::Tensor shared, gate;
     if (moe.shared_gate_up.weight.defined()) {
       shared = moe.shared_down(act_mul(moe.shared_gate_up(x), gelu));
       if (moe.shared_gate.defined()) gate = at::sigmoid(at::linear(xf, moe.shared_gate));
     }
-    if (x.scalar_type() == torch::kFloat32 && !shared.defined()) return out;
-    auto result = x.scalar_type() == torch::kFloat32 ? out : torch::empty({B, H}, x.options());
+    if (x.scalar_type() == at::kFloat && !shared.defined()) return out;
+    auto result = x.scalar_type() == at::kFloat ? out : at::empty({B, H}, x.options());
     TM_DISPATCH_FLOAT(x.scalar_type(), T, [&] {
       T* res = result.data_ptr<T>();
       if (!shared.defined()) {
@@ -642,8 +642,8 @@ class DecodeStack {
   // at most 4 is summed left to right by PyTorch's CPU sum (whatever its vector width); a longer one
   // is summed by at::sum itself.
   static void normalize_top_k(float* weights, int64_t B, int64_t k) {
-    torch::Tensor sums;
-    if (k > 4) sums = at::sum(torch::from_blob(weights, {B, k}, torch::kFloat32), -1);
+    at::Tensor sums;
+    if (k > 4) sums = at::sum(at::from_blob(weights, {B, k}, at::kFloat), -1);
     for (int64_t t = 0; t < B; ++t) {
       float* w = weights + t * k;
       float total;
@@ -701,9 +701,9 @@ class DecodeStack {
   // cache.flatten(0, 1).index_copy_(0, slots, rows), as PagedLayer.write does; for a contiguous
   // cache and rows of its dtype a memcpy per row (index_copy_'s dispatch cost 7 us a call, twice per
   // layer of every decode step).
-  static void copy_rows(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows) {
+  static void copy_rows(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
     if (!cache.is_contiguous() || !rows.is_contiguous() || rows.scalar_type() != cache.scalar_type() ||
-        slots.scalar_type() != torch::kInt64 || !slots.is_contiguous() || rows.dim() != cache.dim() - 1 ||
+        slots.scalar_type() != at::kLong || !slots.is_contiguous() || rows.dim() != cache.dim() - 1 ||
         rows.size(0) != slots.size(0) || rows[0].numel() * cache.size(0) * cache.size(1) != cache.numel()) {
       cache.flatten(0, 1).index_copy_(0, slots, rows);
       return;
@@ -719,7 +719,7 @@ class DecodeStack {
   }
 
   // As PagedLayer.write: the rows into their slots, or the quantized write.
-  static void write_kv(const Layer& l, const torch::Tensor& slots, const torch::Tensor& k, const torch::Tensor& v) {
+  static void write_kv(const Layer& l, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v) {
     if (!l.key_scales.defined()) {
       copy_rows(l.keys, slots, k);
       copy_rows(l.values, slots, v);
@@ -730,7 +730,7 @@ class DecodeStack {
   }
 
   struct Watched {
-    torch::Tensor tensor;
+    at::Tensor tensor;
     int64_t version;
     const void* data;
     std::vector<int64_t> sizes;
@@ -740,7 +740,7 @@ class DecodeStack {
   bool cast_;
   std::vector<Layer> layers_;
   std::vector<Watched> watched_;
-  torch::Tensor empty_ = torch::empty({0});
+  at::Tensor empty_ = at::empty({0});
 };
 
 void bind_decoder(pybind11::module& m) {
@@ -757,8 +757,8 @@ void bind_decoder(pybind11::module& m) {
       .value("SPARSE_BF16", LinearKind::SparseBf16, "sparse_bf16_linear over sparse_bf16_pack's tensors")
       .finalize();
   py::class_<Linear>(m, "Linear", "one linear layer of a DecodeStack")
-      .def(py::init<LinearKind, torch::Tensor, int64_t, int64_t, std::optional<torch::Tensor>,
-                    std::optional<torch::Tensor>, int64_t, int64_t, std::optional<torch::Tensor>>(),
+      .def(py::init<LinearKind, at::Tensor, int64_t, int64_t, std::optional<at::Tensor>,
+                    std::optional<at::Tensor>, int64_t, int64_t, std::optional<at::Tensor>>(),
            py::kw_only(), py::arg("kind"), py::arg("weight"), py::arg("out_features"), py::arg("in_features"),
            py::arg("scales") = py::none(), py::arg("bias") = py::none(), py::arg("group_size") = 0,
            py::arg("bits") = 0, py::arg("offsets") = py::none())
@@ -770,8 +770,8 @@ void bind_decoder(pybind11::module& m) {
       .def_property_readonly("group_size", [](const Linear& l) { return l.group_size; })
       .def_property_readonly("bits", [](const Linear& l) { return l.bits; });
   py::class_<DecodePlan>(m, "DecodePlan", "one attention plan of a decode step (DecodeStack.run)")
-      .def(py::init([](torch::Tensor slots, torch::Tensor block_tables, torch::Tensor key_start,
-                       torch::Tensor key_end) {
+      .def(py::init([](at::Tensor slots, at::Tensor block_tables, at::Tensor key_start,
+                       at::Tensor key_end) {
              return DecodePlan{std::move(slots), std::move(block_tables), std::move(key_start), std::move(key_end)};
            }),
            py::kw_only(), py::arg("slots"), py::arg("block_tables"), py::arg("key_start"), py::arg("key_end"))

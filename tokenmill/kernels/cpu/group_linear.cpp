@@ -70,7 +70,6 @@
 // pipes: at group_size 32 a bound of 16 / 18 = 89% of the bfloat16 GEMM's speed (94% when mn = 0,
 // as for Q4_0 and Q8_0); bench/quantized_linear.py measures what is reached.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -144,23 +143,23 @@ inline uint32_t fifth_bits(const uint8_t* tile, int64_t c, int i) {
 // x as the kernels take it: bfloat16 bits (high and, for float32 x, low parts) and group sums, each
 // row by itself (rows in parallel), so a row's values do not depend on the batch.
 struct PreparedX {
-  torch::Tensor xh, xl, sx;
+  at::Tensor xh, xl, sx;
   const uint16_t* h = nullptr;
   const uint16_t* l = nullptr;
   const float* s = nullptr;
 };
 
-PreparedX prepare_x(const torch::Tensor& x, int64_t gs, bool generic) {
+PreparedX prepare_x(const at::Tensor& x, int64_t gs, bool generic) {
   const int64_t M = x.size(0), K = x.size(1), G = K / gs;
-  const bool f32 = x.scalar_type() == torch::kFloat32;
+  const bool f32 = x.scalar_type() == at::kFloat;
   PreparedX p;
-  p.sx = torch::empty({M, G}, x.options().dtype(torch::kFloat32));
+  p.sx = at::empty({M, G}, x.options().dtype(at::kFloat));
   float* s = p.sx.data_ptr<float>();
   uint16_t* h = nullptr;
   uint16_t* l = nullptr;
   if (f32) {
-    p.xh = torch::empty({M, K}, x.options().dtype(torch::kInt16));
-    p.xl = torch::empty({M, K}, x.options().dtype(torch::kInt16));
+    p.xh = at::empty({M, K}, x.options().dtype(at::kShort));
+    p.xl = at::empty({M, K}, x.options().dtype(at::kShort));
     h = reinterpret_cast<uint16_t*>(p.xh.data_ptr<int16_t>());
     l = reinterpret_cast<uint16_t*>(p.xl.data_ptr<int16_t>());
     p.h = h, p.l = l;
@@ -440,14 +439,14 @@ constexpr int64_t kPrefetch = 16;
 
 // x in fixed point: xi [M, K] int16, and per group its sum sxi, the factor 2^-s and sx = sxi 2^-s.
 struct FixedX {
-  torch::Tensor xi, sxi, f, sx;
+  at::Tensor xi, sxi, f, sx;
 };
 
 FixedX fixed_x(const uint16_t* xh, int64_t M, int64_t K, int64_t gs) {
   const int64_t G = K / gs;
-  const auto opts = torch::TensorOptions().device(torch::kCPU);
-  FixedX fx{torch::empty({M, K}, opts.dtype(torch::kInt16)), torch::empty({M, G}, opts.dtype(torch::kInt32)),
-            torch::empty({M, G}, opts.dtype(torch::kFloat32)), torch::empty({M, G}, opts.dtype(torch::kFloat32))};
+  const auto opts = at::TensorOptions().device(at::kCPU);
+  FixedX fx{at::empty({M, K}, opts.dtype(at::kShort)), at::empty({M, G}, opts.dtype(at::kInt)),
+            at::empty({M, G}, opts.dtype(at::kFloat)), at::empty({M, G}, opts.dtype(at::kFloat))};
   auto* xi = fx.xi.data_ptr<int16_t>();
   auto* sxi = fx.sxi.data_ptr<int32_t>();
   auto* f = fx.f.data_ptr<float>();
@@ -737,10 +736,10 @@ struct RowBlocks {
 };
 
 // x of every row block as gemm_block reads it (panel_pair's layout, the last slab zero-padded).
-torch::Tensor x_panels(const uint16_t* xh, const uint16_t* xl, int64_t M, int64_t K, const RowBlocks& rb) {
+at::Tensor x_panels(const uint16_t* xh, const uint16_t* xl, int64_t M, int64_t K, const RowBlocks& rb) {
   const int terms = xl ? 2 : 1;
   const int64_t pairs = K / 2, slabs = (pairs + kSlab - 1) / kSlab;
-  auto out = torch::empty({M * slabs * kSlab * terms}, torch::dtype(torch::kInt32));
+  auto out = at::empty({M * slabs * kSlab * terms}, at::dtype(at::kInt));
   auto* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, rb.count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -924,10 +923,18 @@ inline int64_t fixed_rows_limit() { return 0; }
 inline bool fixed_applies(bool, bool, bool, int64_t, int64_t, int, bool) { return false; }
 #endif
 
-// f(std::integral_constant<int, bits>()) for bits 4, 5, 7 or 8 (any other: 8, as checked before).
-template <typename F>
+// Bfloat16 scales come only from int4_weight_linear, at bits 4 (tinygemm's layout).
+template <typename S>
+constexpr bool kInt4Scales = std::is_same_v<S, c10::BFloat16>;
+
+// f(std::integral_constant<int, bits>()) for bits 4, 5, 7 or 8 (any other: 8, as checked before);
+// for int4_weight_linear's scales, bits 4 alone (fewer instances to compile).
+template <typename S, typename F>
 inline void with_bits(int bits, F&& f) {
-  if (bits == 4) f(std::integral_constant<int, 4>());
+  if constexpr (kInt4Scales<S>) {
+    TORCH_CHECK(bits == 4, "bfloat16 scales are int4_weight_linear's, at bits 4; got bits ", bits);
+    f(std::integral_constant<int, 4>());
+  } else if (bits == 4) f(std::integral_constant<int, 4>());
   else if (bits == 5) f(std::integral_constant<int, 5>());
   else if (bits == 7) f(std::integral_constant<int, 7>());
   else f(std::integral_constant<int, 8>());
@@ -976,28 +983,35 @@ void tiles_portable(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
 template <typename T, typename S>
 void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
   const int64_t tiles = p.N / 16;
+  // T float means float32 x, which has a low part (p.xl): never on the fixed-point products nor on
+  // AMX tiles, so neither is compiled for it.
+  [[maybe_unused]] constexpr bool bf16_out = !std::is_same_v<T, float>;
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   // bfloat16 x, fewer than fixed_rows_limit() rows: x in fixed point, integer products (tiles_allowed: the
   // fastest path; KernelPath::VECTOR keeps vdpbf16ps's sums at every row count)
-  if (fixed_applies(generic, tiles_ok, !p.xl, p.M, p.gs, p.bits, p.shift_min)) {
-    const FixedX fx = fixed_x(p.xh, p.M, p.K, p.gs);
-    at::parallel_for(0, tiles, fixed_tiles(p.M), [&](int64_t begin, int64_t end) {
-      with_bits(p.bits, [&](auto bits) { tiles_fixed<decltype(bits)::value>(p, fx, begin, end, y); });
-    });
-    return;
+  if constexpr (bf16_out) {
+    if (fixed_applies(generic, tiles_ok, !p.xl, p.M, p.gs, p.bits, p.shift_min)) {
+      const FixedX fx = fixed_x(p.xh, p.M, p.K, p.gs);
+      at::parallel_for(0, tiles, fixed_tiles(p.M), [&](int64_t begin, int64_t end) {
+        with_bits<S>(p.bits, [&](auto bits) { tiles_fixed<decltype(bits)::value>(p, fx, begin, end, y); });
+      });
+      return;
+    }
   }
 #endif
 #if defined(TOKENMILL_AMX)
   // bfloat16 x from kMinRows rows (a row's sums then do not depend on the other rows of such a
   // call); float32 x keeps the vector schedules (its two products per pair).
-  if (!generic && tiles_ok && !p.xl && p.M >= tokenmill_amx::kMinRows && p.gs % 16 == 0 &&
-      tokenmill_amx::usable()) {
-    std::vector<uint16_t> tail;
-    const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(p.xh, p.M, p.K, tail);
-    at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
-      with_bits(p.bits, [&](auto bits) { tiles_amx<decltype(bits)::value>(p, xs, begin, end, y); });
-    });
-    return;
+  if constexpr (bf16_out) {
+    if (!generic && tiles_ok && !p.xl && p.M >= tokenmill_amx::kMinRows && p.gs % 16 == 0 &&
+        tokenmill_amx::usable()) {
+      std::vector<uint16_t> tail;
+      const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(p.xh, p.M, p.K, tail);
+      at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
+        with_bits<S>(p.bits, [&](auto bits) { tiles_amx<decltype(bits)::value>(p, xs, begin, end, y); });
+      });
+      return;
+    }
   }
 #else
   (void)tiles_ok;
@@ -1006,14 +1020,14 @@ void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
   if (!generic) {
     if (p.M >= kGemmRows) {
       const RowBlocks rb(p.M);
-      const torch::Tensor panels = x_panels(p.xh, p.xl, p.M, p.K, rb);
+      const at::Tensor panels = x_panels(p.xh, p.xl, p.M, p.K, rb);
       const auto* xp = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
       at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
-        with_bits(p.bits, [&](auto bits) { tiles_many_rows<decltype(bits)::value>(p, xp, rb, begin, end, y); });
+        with_bits<S>(p.bits, [&](auto bits) { tiles_many_rows<decltype(bits)::value>(p, xp, rb, begin, end, y); });
       });
     } else {
       at::parallel_for(0, tiles, few_rows_tiles(p.M), [&](int64_t begin, int64_t end) {
-        with_bits(p.bits, [&](auto bits) { tiles_few_rows<decltype(bits)::value>(p, begin, end, y); });
+        with_bits<S>(p.bits, [&](auto bits) { tiles_few_rows<decltype(bits)::value>(p, begin, end, y); });
       });
     }
     return;
@@ -1023,21 +1037,27 @@ void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
 }
 
 template <typename S>
-torch::Tensor run_x(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz, int64_t gs,
+at::Tensor run_x(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t gs,
                     int bits, bool shift_min, bool out_float32, KernelPath path) {
   const bool generic = is_portable(path), tiles_ok = tiles_allowed(path);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16, G = K / gs;
-  auto y = torch::empty({M, N}, out_float32 ? x.options().dtype(torch::kFloat32) : x.options());
+  auto y = at::empty({M, N}, out_float32 ? x.options().dtype(at::kFloat) : x.options());
   if (M == 0 || N == 0) return y;
-  const bool bf16_x = x.scalar_type() == torch::kBFloat16;
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
   PreparedX px;  // the fixed-point products prepare x themselves (fixed_x)
   if (fixed_applies(generic, tiles_ok, bf16_x, M, gs, bits, shift_min))
     px.h = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   else
     px = prepare_x(x, gs, generic);
   const Problem<S> p{px.h, px.l, px.s, packed.data_ptr<uint8_t>(), sz.data_ptr<S>(), M, K, N, G, gs, bits, shift_min};
-  if (x.scalar_type() == torch::kFloat32) run(p, y.data_ptr<float>(), generic, tiles_ok);
-  else if (out_float32) run(p, reinterpret_cast<Bf16InFloat*>(y.data_ptr<float>()), generic, tiles_ok);
+  if (x.scalar_type() == at::kFloat) run(p, y.data_ptr<float>(), generic, tiles_ok);
+  else if (out_float32) {
+    if constexpr (kInt4Scales<S>) {
+      TORCH_CHECK(false, "int4_weight_linear has no float32 output");
+    } else {
+      run(p, reinterpret_cast<Bf16InFloat*>(y.data_ptr<float>()), generic, tiles_ok);
+    }
+  }
   else run(p, reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>()), generic, tiles_ok);
   return y;
 }
@@ -1048,28 +1068,28 @@ bool group_linear_fast() { return kFast; }
 
 int64_t fixed_point_rows() { return kFixedPoint ? fixed_rows_limit() : 0; }
 
-torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
+at::Tensor grouped_codes_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
                                    int64_t group_size, int64_t bits, bool shift_min, bool out_float32,
                                    KernelPath path) {
   auto xc = x.contiguous(), pc = packed.contiguous(), sc = sz.contiguous();
-  if (sc.scalar_type() == torch::kFloat32)
+  if (sc.scalar_type() == at::kFloat)
     return run_x<float>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, path);
-  if (sc.scalar_type() == torch::kHalf)
+  if (sc.scalar_type() == at::kHalf)
     return run_x<c10::Half>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, path);
-  TORCH_CHECK(sc.scalar_type() == torch::kBFloat16, "scales must be float32, float16 or bfloat16");
+  TORCH_CHECK(sc.scalar_type() == at::kBFloat16, "scales must be float32, float16 or bfloat16");
   return run_x<c10::BFloat16>(xc, pc, sc, group_size, static_cast<int>(bits), shift_min, out_float32, path);
 }
 
-torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,
+at::Tensor group_weight_linear(at::Tensor x, at::Tensor packed, at::Tensor sz, int64_t group_size,
                                   int64_t bits, bool out_float32, KernelPath path) {
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 7 || bits == 8, "group_weight_linear: bits must be 4, 5, 7 or 8, got ",
               bits);
   TORCH_CHECK(x.dim() == 2, "group_weight_linear: x must be [M, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "group_weight_linear: x must be float32 or bfloat16");
   const int64_t per_chunk = bits == 4 || bits == 5 ? 4 : 2;
   const char* rows = bits == 4 ? "K / 4" : bits == 5 ? "5 K / 16" : "K / 2";
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == 32,
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == 32,
               "group_weight_linear: packed weight must be uint8 [N / 16, ", rows, ", 32] for bits ", bits);
   TORCH_CHECK(group_size > 0 && group_size % per_chunk == 0, "group_weight_linear: group_size must be a positive "
               "multiple of ", per_chunk, " for bits ", bits, ", got ", group_size);
@@ -1083,7 +1103,7 @@ torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::
                   sz.size(3) == 16,
               "group_weight_linear: scales and mins must be [N / 16, K / group_size, 2, 16] = [", packed.size(0), ", ",
               K / group_size, ", 2, 16], got ", sz.sizes());
-  TORCH_CHECK(sz.scalar_type() == torch::kFloat32 || sz.scalar_type() == torch::kHalf,
+  TORCH_CHECK(sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kHalf,
               "group_weight_linear: scales and mins must be float32 or float16 (exact values only)");
   return grouped_codes_linear(x, packed, sz, group_size, bits, /*shift_min=*/true, out_float32, path);
 }

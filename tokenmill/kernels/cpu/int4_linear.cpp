@@ -13,18 +13,17 @@
 // few rows and unpacks them to bfloat16 once per call for many; either way a row's result does not
 // depend on the other rows of the call nor on the thread count.
 
-#include <torch/extension.h>
 
 #include "kernels.h"
 
 bool int4_linear_fast() { return group_linear_fast(); }
 
-torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size,
+at::Tensor int4_weight_linear(at::Tensor x, at::Tensor packed, at::Tensor scales_zeros, int64_t group_size,
                                  KernelPath path) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == 32,
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == 32,
               "packed weight must be uint8 [N / 16, K / 4, 32]");
   TORCH_CHECK(group_size > 0 && group_size % 4 == 0, "group_size must be a positive multiple of 4");
   const int64_t Kp = x.size(1);

@@ -11,7 +11,6 @@
 // not depend on the other rows of the call nor on the thread count. (An earlier version converted
 // each tile to bfloat16 and used vdpbf16ps: as fast at 32 bfloat16 rows, half as fast at 1.)
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -111,21 +110,21 @@ void run(const T* x, const float* xf, const int8_t* w, const T* scale, T* out, i
 
 }  // namespace
 
-torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, KernelPath path) {
+at::Tensor int8_weight_linear(at::Tensor x, at::Tensor weight, at::Tensor scale, KernelPath path) {
   const bool generic = is_portable(path);
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && scale.dim() == 1, "x [M, K], weight [N, K], scale [N]");
-  TORCH_CHECK(weight.scalar_type() == torch::kInt8, "weight must be int8");
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "weight must be int8");
   TORCH_CHECK(x.scalar_type() == scale.scalar_type() &&
-                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x and scale must both be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && scale.size(0) == N, "shapes do not match");
   TORCH_CHECK(K % 16 == 0, "in_features must be a multiple of 16");
   auto xc = x.contiguous(), wc = weight.contiguous(), sc = scale.contiguous();
-  auto out = torch::empty({M, N}, x.options());
-  const auto xf32 = xc.to(torch::kFloat32).contiguous();  // x as float32 once, for every tile
+  auto out = at::empty({M, N}, x.options());
+  const auto xf32 = xc.to(at::kFloat).contiguous();  // x as float32 once, for every tile
   const float* xf = xf32.data_ptr<float>();
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     run<float>(xc.data_ptr<float>(), xf, wc.data_ptr<int8_t>(), sc.data_ptr<float>(), out.data_ptr<float>(), M, K, N,
                generic);
   } else {

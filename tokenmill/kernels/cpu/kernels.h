@@ -3,7 +3,15 @@
 // drifts from its declaration fails to compile instead of failing to link.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor and the few ops the kernels call, not <torch/extension.h>: that header (pybind11,
+// autograd, the C++ frontend) takes about 40 s to compile per file, the whole build's largest cost.
+// Only bindings.cpp and decoder.cpp, which bind to Python, include more: <torch/python.h>.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <optional>
@@ -25,25 +33,25 @@ inline bool tiles_allowed(KernelPath path) { return path == KernelPath::Fastest;
 inline bool is_portable(KernelPath path) { return path == KernelPath::Portable; }
 
 // argmax.cpp: torch.argmax(x, -1) of float32 [rows, vocab] logits (greedy sampling)
-torch::Tensor argmax_rows(torch::Tensor x, KernelPath path);
+at::Tensor argmax_rows(at::Tensor x, KernelPath path);
 
 // paged_attention.cpp
 bool supports_head_dim(int64_t D);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor key_scale, torch::Tensor value_scale, torch::Tensor block_tables,
-                                     torch::Tensor key_start, torch::Tensor key_end, double scale, KernelPath path);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                                     at::Tensor key_scale, at::Tensor value_scale, at::Tensor block_tables,
+                                     at::Tensor key_start, at::Tensor key_end, double scale, KernelPath path);
 
 // prefill_attention.cpp
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor key_start,
-                                      torch::Tensor key_end, int64_t window, double scale, KernelPath path);
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                                      at::Tensor block_tables, at::Tensor query_start, at::Tensor key_start,
+                                      at::Tensor key_end, int64_t window, double scale, KernelPath path);
 
 // int8_linear.cpp
-torch::Tensor int8_weight_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, KernelPath path);
+at::Tensor int8_weight_linear(at::Tensor x, at::Tensor weight, at::Tensor scale, KernelPath path);
 
 // int4_linear.cpp: tinygemm's int4 convention, w = (q - 8) * scale + zero, on group_linear.cpp's kernel
 bool int4_linear_fast();
-torch::Tensor int4_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size,
+at::Tensor int4_weight_linear(at::Tensor x, at::Tensor packed, at::Tensor scales_zeros, int64_t group_size,
                                  KernelPath path);
 
 // group_linear.cpp: grouped codes, w = code * scale + min (GGUF's Q4_0 .. Q8_0, K-quants)
@@ -53,19 +61,19 @@ bool group_linear_fast();
 int64_t fixed_point_rows();
 // out_float32 with bfloat16 x: the outputs rounded to bfloat16 as usual, stored as float32 (logits
 // read as float32, without a conversion pass over them).
-torch::Tensor group_weight_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sz, int64_t group_size,
+at::Tensor group_weight_linear(at::Tensor x, at::Tensor packed, at::Tensor sz, int64_t group_size,
                                   int64_t bits, bool out_float32, KernelPath path);
 // The shared kernel, shapes already checked: shift_min true for group_weight_linear (min is the
 // minimum of code * scale + min), false for int4_weight_linear (zero of (q - 8) * scale + zero).
-torch::Tensor grouped_codes_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& sz,
+at::Tensor grouped_codes_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
                                    int64_t group_size, int64_t bits, bool shift_min, bool out_float32,
                                    KernelPath path);
 
 // bf16_linear.cpp
 bool bf16_linear_fast();
-torch::Tensor bf16_pack(torch::Tensor weight);
+at::Tensor bf16_pack(at::Tensor weight);
 // out_float32: the outputs rounded to bfloat16 as usual, stored as float32.
-torch::Tensor bf16_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
+at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, int64_t N, at::Tensor bias,
                                  bool out_float32 = false, KernelPath path = KernelPath::Fastest);
 // Whether this process runs bfloat16 products on AMX tiles (the build has them, the OS grants them).
 bool amx_tiles();
@@ -73,12 +81,12 @@ bool amx_tiles();
 // sparse_linear.cpp: a pruned bfloat16 weight without its zeros (a mask and the nonzeros per
 // vector of bf16_pack's layout), bit-identical to bf16_packed_linear on the dense weight
 bool sparse_linear_fast();
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sparse_bf16_pack(torch::Tensor weight);
-torch::Tensor sparse_bf16_linear(torch::Tensor x, torch::Tensor values, torch::Tensor masks, torch::Tensor offsets,
-                                 std::optional<torch::Tensor> bias, int64_t N, bool out_float32 = false);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_bf16_pack(at::Tensor weight);
+at::Tensor sparse_bf16_linear(at::Tensor x, at::Tensor values, at::Tensor masks, at::Tensor offsets,
+                                 std::optional<at::Tensor> bias, int64_t N, bool out_float32 = false);
 
 // kv_write.cpp
-void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows, torch::Tensor scales);
+void write_quantized_kv(at::Tensor x, at::Tensor slots, at::Tensor rows, at::Tensor scales);
 
 // lora.cpp: batched multi-LoRA (Punica BGMV / SGMV), in place: for every token t with
 // slots[t] >= 0, y[t, o] += sum_r B[s, o, r] * h[part(o), r] with h[p, r] = sum_k x[t, k] * A[s, p, r, k],
@@ -86,9 +94,6 @@ void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows
 // A [S, P, R, K], B [S, N, R] (x's dtype, contiguous), part_starts int64 [P + 1] from 0 to N.
 // Or A and B int8 with float32 per-row scales A_scale [S, P, R] and B_scale [S, N] (contiguous):
 // A = A_q * A_scale[..., None], B = B_q * B_scale[..., None], each scale applied to a finished sum.
-void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tensor A, torch::Tensor B,
-              torch::Tensor part_starts, std::optional<torch::Tensor> A_scale, std::optional<torch::Tensor> B_scale,
+void lora_add(at::Tensor x, at::Tensor y, at::Tensor slots, at::Tensor A, at::Tensor B,
+              at::Tensor part_starts, std::optional<at::Tensor> A_scale, std::optional<at::Tensor> B_scale,
               KernelPath path);
-
-// decoder.cpp: rms_norm, qkv_rope, act_mul, LinearKind, Linear and DecodeStack
-void bind_decoder(pybind11::module& m);

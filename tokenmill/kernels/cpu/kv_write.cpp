@@ -4,7 +4,6 @@
 //   scale = fp16(max|x| / qmax), one fp16 step up when that rounding fell below max|x| / qmax
 //   (never below 2^-24); int8: round-half-even(x / scale) clamped to +-127; fp8: e4m3 of x / scale.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
@@ -53,9 +52,9 @@ void write_rows(const T* x, const int64_t* slots, Q* rows, at::Half* scales, int
 }
 
 template <typename T>
-void dispatch(const torch::Tensor& x, const int64_t* slots, torch::Tensor& rows, at::Half* scales, int64_t T_,
+void dispatch(const at::Tensor& x, const int64_t* slots, at::Tensor& rows, at::Half* scales, int64_t T_,
               int64_t H, int64_t D) {
-  if (rows.scalar_type() == torch::kInt8) {
+  if (rows.scalar_type() == at::kChar) {
     write_rows<T, int8_t>(x.data_ptr<T>(), slots, rows.data_ptr<int8_t>(), scales, T_, H, D, 127.f);
   } else {
     write_rows<T, c10::Float8_e4m3fn>(x.data_ptr<T>(), slots, rows.data_ptr<c10::Float8_e4m3fn>(), scales, T_, H, D,
@@ -66,12 +65,12 @@ void dispatch(const torch::Tensor& x, const int64_t* slots, torch::Tensor& rows,
 }  // namespace
 
 // x [T, H, D] float32 or bfloat16; slots int64 [T]; rows [slots, H, D] int8 or float8_e4m3fn; scales float16 [slots, H]
-void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows, torch::Tensor scales) {
+void write_quantized_kv(at::Tensor x, at::Tensor slots, at::Tensor rows, at::Tensor scales) {
   TORCH_CHECK(x.dim() == 3 && rows.dim() == 3 && scales.dim() == 2 && slots.dim() == 1, "bad shapes");
   TORCH_CHECK(x.is_contiguous() && rows.is_contiguous() && scales.is_contiguous() && slots.is_contiguous(),
               "inputs must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && scales.scalar_type() == torch::kFloat16, "slots int64, scales float16");
-  TORCH_CHECK(rows.scalar_type() == torch::kInt8 || rows.scalar_type() == torch::kFloat8_e4m3fn,
+  TORCH_CHECK(slots.scalar_type() == at::kLong && scales.scalar_type() == at::kHalf, "slots int64, scales float16");
+  TORCH_CHECK(rows.scalar_type() == at::kChar || rows.scalar_type() == at::kFloat8_e4m3fn,
               "rows must be int8 or float8_e4m3fn");
   const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2);
   TORCH_CHECK(slots.size(0) == T_ && rows.size(1) == H && rows.size(2) == D && scales.size(0) == rows.size(0) &&
@@ -79,10 +78,10 @@ void write_quantized_kv(torch::Tensor x, torch::Tensor slots, torch::Tensor rows
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(s[t] >= 0 && s[t] < rows.size(0), "slot out of range");
   auto* sc = scales.data_ptr<at::Half>();
-  if (x.scalar_type() == torch::kFloat32) {
+  if (x.scalar_type() == at::kFloat) {
     dispatch<float>(x, s, rows, sc, T_, H, D);
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
     dispatch<at::BFloat16>(x, s, rows, sc, T_, H, D);
   }
 }

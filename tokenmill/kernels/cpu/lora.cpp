@@ -55,7 +55,6 @@
 //
 // Portable path: per token, plain loops in the same order of operations (k, then r).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -831,32 +830,32 @@ void run(const Problem<T, W>& p, const int32_t* slots, int64_t T_, int64_t S, bo
 }
 
 // A dtype as Python spells it (torch.int8, not Char).
-std::string dtype_name(torch::ScalarType t) {
+std::string dtype_name(at::ScalarType t) {
   switch (t) {
-    case torch::kFloat32: return "float32";
-    case torch::kBFloat16: return "bfloat16";
-    case torch::kFloat16: return "float16";
-    case torch::kFloat64: return "float64";
-    case torch::kInt8: return "int8";
-    case torch::kInt32: return "int32";
-    case torch::kInt64: return "int64";
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kDouble: return "float64";
+    case at::kChar: return "int8";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
     default: return c10::toString(t);
   }
 }
 
 }  // namespace
 
-void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tensor A, torch::Tensor B,
-              torch::Tensor part_starts, std::optional<torch::Tensor> A_scale, std::optional<torch::Tensor> B_scale,
+void lora_add(at::Tensor x, at::Tensor y, at::Tensor slots, at::Tensor A, at::Tensor B,
+              at::Tensor part_starts, std::optional<at::Tensor> A_scale, std::optional<at::Tensor> B_scale,
               KernelPath path) {
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && slots.device().is_cpu() && A.device().is_cpu() &&
                   B.device().is_cpu() && part_starts.device().is_cpu() && (!A_scale || A_scale->device().is_cpu()) &&
                   (!B_scale || B_scale->device().is_cpu()),
               "lora_add: all tensors must be on the CPU");
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "lora_add: x must be float32 or bfloat16, got ",
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "lora_add: x must be float32 or bfloat16, got ",
               dtype_name(dtype));
-  const bool a_int8 = A.scalar_type() == torch::kInt8, b_int8 = B.scalar_type() == torch::kInt8;
+  const bool a_int8 = A.scalar_type() == at::kChar, b_int8 = B.scalar_type() == at::kChar;
   TORCH_CHECK(a_int8 == b_int8, "lora_add: A and B must be both int8 or both x's dtype (", dtype_name(dtype),
               "), got A ", dtype_name(A.scalar_type()), " and B ", dtype_name(B.scalar_type()));
   const bool int8 = a_int8;
@@ -875,8 +874,8 @@ void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tens
               ", ", R, "] (S and R from A, N from y), got ", B.sizes());
   TORCH_CHECK(A.is_contiguous() && B.is_contiguous(), "lora_add: A and B must be contiguous");
   // int8 A and B: their scales, float32 [S, P, R] and [S, N], contiguous; float A and B: none.
-  auto check_scale = [&](const std::optional<torch::Tensor>& scale, const char* name, const char* of,
-                         bool weights_int8, const torch::ScalarType weights_dtype, at::IntArrayRef shape,
+  auto check_scale = [&](const std::optional<at::Tensor>& scale, const char* name, const char* of,
+                         bool weights_int8, const at::ScalarType weights_dtype, at::IntArrayRef shape,
                          const char* shape_text) {
     if (!weights_int8) {
       TORCH_CHECK(!scale, "lora_add: ", name, " is only for int8 ", of, ", but ", of, " is ",
@@ -884,7 +883,7 @@ void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tens
       return;
     }
     TORCH_CHECK(scale.has_value(), "lora_add: int8 ", of, " needs ", name, " (float32 ", shape_text, ")");
-    TORCH_CHECK(scale->scalar_type() == torch::kFloat32, "lora_add: ", name, " must be float32, got ",
+    TORCH_CHECK(scale->scalar_type() == at::kFloat, "lora_add: ", name, " must be float32, got ",
                 dtype_name(scale->scalar_type()));
     TORCH_CHECK(scale->sizes() == shape, "lora_add: ", name, " must be ", shape_text, " = ", shape, ", got ",
                 scale->sizes());
@@ -892,10 +891,10 @@ void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tens
   };
   check_scale(A_scale, "A_scale", "A", a_int8, A.scalar_type(), {S, P, R}, "[S, P, R]");
   check_scale(B_scale, "B_scale", "B", b_int8, B.scalar_type(), {S, N}, "[S, N]");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt32, "lora_add: slots must be int32, got ",
+  TORCH_CHECK(slots.scalar_type() == at::kInt, "lora_add: slots must be int32, got ",
               dtype_name(slots.scalar_type()));
   TORCH_CHECK(slots.size(0) == T_, "lora_add: slots has ", slots.size(0), " entries for ", T_, " tokens");
-  TORCH_CHECK(part_starts.scalar_type() == torch::kInt64, "lora_add: part_starts must be int64, got ",
+  TORCH_CHECK(part_starts.scalar_type() == at::kLong, "lora_add: part_starts must be int64, got ",
               dtype_name(part_starts.scalar_type()));
   TORCH_CHECK(part_starts.size(0) == P + 1, "lora_add: part_starts must have P + 1 = ", P + 1,
               " entries (P = A.size(1)), got ", part_starts.size(0));
@@ -937,7 +936,7 @@ void lora_add(torch::Tensor x, torch::Tensor y, torch::Tensor slots, torch::Tens
                           P * R};
     run(p, sl, T_, S, generic);
   };
-  if (dtype == torch::kFloat32) {
+  if (dtype == at::kFloat) {
     if (int8) {
       go(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
     } else {

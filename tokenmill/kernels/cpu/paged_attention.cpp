@@ -20,7 +20,6 @@
 // read once, straight from its block. A sequence's result does not depend on which other
 // sequences share the batch, nor on the thread count.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -407,17 +406,17 @@ void dispatch(int64_t D, const T* q, const Cache<KV>& c, const int32_t* tables, 
 }
 
 template <typename T>
-c10::ScalarType q_type() { return std::is_same_v<T, float> ? torch::kFloat32 : torch::kBFloat16; }
+c10::ScalarType q_type() { return std::is_same_v<T, float> ? at::kFloat : at::kBFloat16; }
 
 template <typename T>
-void dispatch_cache(int64_t D, const T* q, const torch::Tensor& kc, const torch::Tensor& vc, const at::Half* kscale,
+void dispatch_cache(int64_t D, const T* q, const at::Tensor& kc, const at::Tensor& vc, const at::Half* kscale,
                     const at::Half* vscale, const int32_t* tables, const int32_t* ks, const int32_t* ke, T* out,
                     const Args& a, bool generic) {
   const auto kind = kc.scalar_type();
-  if (kind == torch::kInt8) {
+  if (kind == at::kChar) {
     dispatch<T, int8_t>(D, q, Cache<int8_t>{kc.data_ptr<int8_t>(), vc.data_ptr<int8_t>(), kscale, vscale},
                         tables, ks, ke, out, a, generic);
-  } else if (kind == torch::kFloat8_e4m3fn) {
+  } else if (kind == at::kFloat8_e4m3fn) {
     dispatch<T, Fp8>(D, q, Cache<Fp8>{reinterpret_cast<const Fp8*>(kc.data_ptr()),
                                       reinterpret_cast<const Fp8*>(vc.data_ptr()), kscale, vscale},
                      tables, ks, ke, out, a, generic);
@@ -433,24 +432,24 @@ void dispatch_cache(int64_t D, const T* q, const torch::Tensor& kc, const torch:
 
 bool supports_head_dim(int64_t D) { return D == 16 || D == 32 || D == 64 || D == 80 || D == 96 || D == 128 || D == 256; }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor key_scale, torch::Tensor value_scale, torch::Tensor block_tables,
-                                     torch::Tensor key_start, torch::Tensor key_end, double scale, KernelPath path) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                                     at::Tensor key_scale, at::Tensor value_scale, at::Tensor block_tables,
+                                     at::Tensor key_start, at::Tensor key_end, double scale, KernelPath path) {
   const bool generic = is_portable(path);
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4, "q must be [B, H, D] and key_cache [blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "keys and values must share one dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && key_start.scalar_type() == torch::kInt32 &&
-                  key_end.scalar_type() == torch::kInt32, "block tables and key ranges must be int32");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && key_start.scalar_type() == at::kInt &&
+                  key_end.scalar_type() == at::kInt, "block tables and key ranges must be int32");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == D && H % Hkv == 0, "head_dim or head counts do not match");
   TORCH_CHECK(block_tables.size(0) == B && key_start.size(0) == B && key_end.size(0) == B, "one table per sequence");
-  const bool quantized = key_cache.scalar_type() == torch::kInt8 || key_cache.scalar_type() == torch::kFloat8_e4m3fn;
+  const bool quantized = key_cache.scalar_type() == at::kChar || key_cache.scalar_type() == at::kFloat8_e4m3fn;
   const at::Half* kscale = nullptr;
   const at::Half* vscale = nullptr;
   if (quantized) {
-    TORCH_CHECK(key_scale.scalar_type() == torch::kFloat16 && value_scale.scalar_type() == torch::kFloat16 &&
+    TORCH_CHECK(key_scale.scalar_type() == at::kHalf && value_scale.scalar_type() == at::kHalf &&
                     key_scale.is_contiguous() && value_scale.is_contiguous() &&
                     key_scale.numel() == key_cache.numel() / D && value_scale.numel() == key_cache.numel() / D,
                 "a quantized cache needs contiguous float16 scales [blocks, block_size, Hkv]");
@@ -458,13 +457,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor key_cache, t
     vscale = value_scale.data_ptr<at::Half>();
   }
   auto tables = block_tables.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const Args a{B, H, Hkv, bs, tables.size(1), static_cast<float>(scale)};
-  if (q.scalar_type() == torch::kFloat32) {
+  if (q.scalar_type() == at::kFloat) {
     dispatch_cache<float>(D, q.data_ptr<float>(), key_cache, value_cache, kscale, vscale, tables.data_ptr<int32_t>(),
                           key_start.data_ptr<int32_t>(), key_end.data_ptr<int32_t>(), out.data_ptr<float>(), a,
                           generic);
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     dispatch_cache<at::BFloat16>(D, q.data_ptr<at::BFloat16>(), key_cache, value_cache, kscale, vscale,
                                  tables.data_ptr<int32_t>(), key_start.data_ptr<int32_t>(),
                                  key_end.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), a, generic);

@@ -26,7 +26,6 @@
 // Tasks run longest first, each thread taking the next; a task writes only its own rows, so a
 // sequence's result does not depend on the other sequences of the call nor on the thread count.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -438,19 +437,19 @@ void dispatch(const T* q, const T* kc, const T* vc, T* out, const Problem& p, bo
 
 }  // namespace
 
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor key_start,
-                                      torch::Tensor key_end, int64_t window, double scale, KernelPath path) {
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                                      at::Tensor block_tables, at::Tensor query_start, at::Tensor key_start,
+                                      at::Tensor key_end, int64_t window, double scale, KernelPath path) {
   const bool generic = is_portable(path);
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "q must be [T, H, D] and key_cache, value_cache [blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_prefill_attention supports float32 and bfloat16, got ", q.scalar_type());
   TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() && value_cache.scalar_type() == q.scalar_type(),
               "keys and values must be stored as q's dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && query_start.scalar_type() == torch::kInt32 &&
-                  key_start.scalar_type() == torch::kInt32 && key_end.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
+                  key_start.scalar_type() == at::kInt && key_end.scalar_type() == at::kInt,
               "block tables, query_start and key ranges must be int32");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -476,9 +475,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor key_cache, 
         TORCH_CHECK(tp[s * max_blocks + b] >= 0 && tp[s * max_blocks + b] < num_blocks,
                     "sequence ", s, ": block id out of range");
   }
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const Problem p{S, H, Hkv, H / Hkv, D, bs, max_blocks, window, static_cast<float>(scale), tp, qsp, ksp, kep};
-  if (q.scalar_type() == torch::kFloat32) {
+  if (q.scalar_type() == at::kFloat) {
     dispatch<float>(q.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
                     out.data_ptr<float>(), p, generic);
   } else {

@@ -46,7 +46,6 @@
 // an add) per vector, which many rows amortize and few rows do not; bench/sparse_linear.py
 // measures where that leaves it against the dense kernel.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -205,14 +204,14 @@ constexpr bool kFast = false;
 bool sparse_linear_fast() { return kFast; }
 
 // weight [N, K] bfloat16, K even -> (values, masks, offsets) as described at the top.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sparse_bf16_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_bf16_pack(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
               "sparse_bf16_pack: weight must be bfloat16 [N, K]");
   TORCH_CHECK(weight.size(1) % 2 == 0, "sparse_bf16_pack: in_features must be even");
   const auto dense = bf16_pack(weight.detach().cpu());  // [tiles, K2, 16, 2]
   const int64_t tiles = dense.size(0), K2 = dense.size(1);
   const auto* d = reinterpret_cast<const uint16_t*>(dense.data_ptr<at::BFloat16>());
-  auto masks = torch::empty({tiles, K2}, torch::dtype(torch::kInt32));
+  auto masks = at::empty({tiles, K2}, at::dtype(at::kInt));
   auto* mp = reinterpret_cast<uint32_t*>(masks.data_ptr<int32_t>());
   std::vector<int64_t> counts(tiles, 0);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -223,11 +222,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sparse_bf16_pack(torch::
         counts[t] += __builtin_popcount(m);
       }
   });
-  auto offsets = torch::empty({tiles + 1}, torch::dtype(torch::kInt64));
+  auto offsets = at::empty({tiles + 1}, at::dtype(at::kLong));
   int64_t* op = offsets.data_ptr<int64_t>();
   op[0] = 0;
   for (int64_t t = 0; t < tiles; ++t) op[t + 1] = op[t] + counts[t];
-  auto values = torch::zeros({op[tiles] + kTail}, torch::dtype(torch::kBFloat16));
+  auto values = at::zeros({op[tiles] + kTail}, at::dtype(at::kBFloat16));
   auto* vp = reinterpret_cast<uint16_t*>(values.data_ptr<at::BFloat16>());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -243,29 +242,29 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sparse_bf16_pack(torch::
 
 // x [M, K] bfloat16; (values, masks, offsets) from sparse_bf16_pack of an [out_features, K]
 // weight; bias [N] (float32, bfloat16) or none.
-torch::Tensor sparse_bf16_linear(torch::Tensor x, torch::Tensor values, torch::Tensor masks, torch::Tensor offsets,
-                                 std::optional<torch::Tensor> bias, int64_t N, bool out_float32) {
+at::Tensor sparse_bf16_linear(at::Tensor x, at::Tensor values, at::Tensor masks, at::Tensor offsets,
+                                 std::optional<at::Tensor> bias, int64_t N, bool out_float32) {
   TORCH_CHECK(kFast, "sparse_bf16_linear needs AVX-512 BF16 and AVX-512 VBMI2, which this build of the CPU kernels "
                      "lacks (sparse_linear_fast() is False): multiply by the dense weight instead");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "sparse_bf16_linear: x must be bfloat16 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "sparse_bf16_linear: x must be bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), tiles = (N + 15) / 16;
-  TORCH_CHECK(masks.scalar_type() == torch::kInt32 && masks.dim() == 2 && masks.size(0) == tiles &&
+  TORCH_CHECK(masks.scalar_type() == at::kInt && masks.dim() == 2 && masks.size(0) == tiles &&
                   masks.size(1) * 2 == K && masks.is_contiguous(),
               "sparse_bf16_linear: masks do not match x [", M, ", ", K, "] and N ", N);
-  TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.dim() == 1 && offsets.numel() == tiles + 1 &&
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.numel() == tiles + 1 &&
                   offsets.is_contiguous(),
               "sparse_bf16_linear: offsets must be int64 [", tiles + 1, "]");
-  TORCH_CHECK(values.scalar_type() == torch::kBFloat16 && values.dim() == 1 && values.is_contiguous(),
+  TORCH_CHECK(values.scalar_type() == at::kBFloat16 && values.dim() == 1 && values.is_contiguous(),
               "sparse_bf16_linear: values must be a contiguous bfloat16 vector");
   const int64_t* op = offsets.data_ptr<int64_t>();
   TORCH_CHECK(op[0] == 0 && op[tiles] + kTail <= values.numel(),
               "sparse_bf16_linear: offsets do not fit values (use sparse_bf16_pack's three tensors together)");
   auto xc = x.contiguous();
-  auto out = torch::empty({M, N}, out_float32 ? x.options().dtype(torch::kFloat32) : x.options());
-  torch::Tensor bf;
+  auto out = at::empty({M, N}, out_float32 ? x.options().dtype(at::kFloat) : x.options());
+  at::Tensor bf;
   if (bias && bias->defined() && bias->numel()) {
     TORCH_CHECK(bias->numel() == N, "sparse_bf16_linear: bias must be [", N, "]");
-    bf = bias->to(torch::kFloat32).contiguous();
+    bf = bias->to(at::kFloat).contiguous();
   }
   if (M == 0 || N == 0) return out;
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI2__)

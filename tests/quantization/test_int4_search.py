@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tokenmill.errors import InvalidParameterError
+from tokenmill.kernels import dispatch
 from tokenmill.quantization import Int4WeightOnlyConfig, quantize_model
 from tokenmill.quantization.config import Int4GPTQConfig, config_from_dict
 from tokenmill.quantization.linear import (
@@ -21,7 +22,7 @@ from tests.model_utils import prompt_logits
 from tests.quantization.helpers import tiny_loaded, write_tiny_checkpoint
 
 
-def _heavy_tailed_groups(rows: int, groups: int, size: int, seed: int = 0) -> torch.Tensor:
+def heavy_tailed_groups(rows: int, groups: int, size: int, seed: int = 0) -> torch.Tensor:
     """Student-t weights (a few outliers per group, as trained weights have) [rows, groups, size]."""
     g = torch.Generator().manual_seed(seed)
     normal = torch.randn(rows, groups, size, generator=g)
@@ -32,8 +33,12 @@ def _heavy_tailed_groups(rows: int, groups: int, size: int, seed: int = 0) -> to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("size", [32, 64, 128])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_search_never_increases_a_groups_error(dtype, size, weighted):
-    w = _heavy_tailed_groups(64, 6, size)
+@pytest.mark.parametrize("kernel", [True, False], ids=["default", "pytorch"])
+def test_search_never_increases_a_groups_error(dtype, size, weighted, kernel, monkeypatch):
+    """Both forms: the CPU kernel (where the kernels are built) and PyTorch's (CUDA, kernels off)."""
+    if not kernel:
+        monkeypatch.setattr(dispatch, "for_tensors", lambda *tensors: None)
+    w = heavy_tailed_groups(64, 6, size)
     importance = torch.rand(1, 6, size, generator=torch.Generator().manual_seed(1)) ** 4 if weighted else None
     plain = int4_group_error(w, *int4_group_params(w, dtype), importance)
     searched = int4_group_error(w, *int4_search_params(w, dtype, importance), importance)
@@ -61,7 +66,7 @@ def test_importance_protects_the_columns_it_weights():
     """One input channel carries most of the activation energy: weighting by it keeps that column
     nearly exact where the unweighted search clips it, and the layer's output error falls."""
     k, n = 128, 64
-    w = _heavy_tailed_groups(n, 1, k, seed=2).view(n, k)
+    w = heavy_tailed_groups(n, 1, k, seed=2).view(n, k)
     w[:, 5] = w[:, 5].sign() * w.abs().amax(dim=1)  # the column fed by the hot channel is the outlier
     x = torch.randn(512, k, generator=torch.Generator().manual_seed(3))
     x[:, 5] *= 30
@@ -74,7 +79,7 @@ def test_importance_protects_the_columns_it_weights():
 
 
 def test_search_off_is_plain_min_max():
-    w = _heavy_tailed_groups(16, 4, 32).view(16, 128)
+    w = heavy_tailed_groups(16, 4, 32).view(16, 128)
     q, scale, zero = quantize_int4_groupwise(w, 32, torch.float32, range_search=False)
     assert torch.equal(q[:, :32].amin(dim=1), torch.zeros(16, dtype=torch.int32))
     assert torch.equal(q[:, :32].amax(dim=1), torch.full((16,), 15, dtype=torch.int32))

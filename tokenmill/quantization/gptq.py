@@ -23,6 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.kernels import dispatch
 from tokenmill.models.base import CausalLM
 from tokenmill.quantization.calibration import calibration_ids
 from tokenmill.quantization.config import Int4GPTQConfig
@@ -115,37 +116,48 @@ def _gptq_columns(w: torch.Tensor, h_inv: torch.Tensor, order: torch.Tensor, par
     pushed onto the columns after it, within the block at once and onto later blocks in one
     matmul per block. -> q int32 [N, Kp] in the permuted order.
 
-    A column costs a handful of vector operations (this loop runs once per input column of every
-    layer): levels q - 8 rounded as int4_round rounds them, the group's float32 parameters fetched
-    once per group, and the rank-1 update in place."""
+    Within a block, the columns go in segments whose groups' parameters are known: the whole block
+    with static groups, one group at a time with dynamic ones (each group's parameters from its
+    columns as updated so far). A segment runs in the CPU kernel ``gptq_columns`` (float32 on CPU),
+    else in :func:`_columns`, the same loop in PyTorch."""
     n, k = w.shape
     gs = params.group_size
-    groups = (order // gs).tolist()
+    groups = order // gs
     q = torch.zeros(n, k, dtype=torch.int32, device=w.device)
     block = -(-max(block_size, gs) // gs) * gs  # whole groups per block
+    ops = dispatch.for_tensors(w, h_inv) if w.dtype == h_inv.dtype == torch.float32 else None
+    run = _columns if ops is None else ops.gptq_columns
     for start in range(0, k, block):
         end = min(start + block, k)
-        w_block, h_block = w[:, start:end].clone(), h_inv[start:end, start:end]
+        w_block, h_block = w[:, start:end].clone(), h_inv[start:end, start:end].contiguous()
         err_block = torch.zeros(n, end - start, device=w.device)
-        levels = torch.empty(n, end - start, device=w.device)  # q - 8, as int4_round rounds
-        diagonal = h_block.diagonal().tolist()
-        current = -1  # the group whose float32 (scale, zero) are at hand
-        for i in range(end - start):
-            col, g = start + i, groups[start + i]
-            if col % gs == 0:  # dynamic groups only: the order is then the identity
-                params.begin(w_block[:, i:i + gs], g)
-                current = -1
-            if g != current:
-                scale, zero, current = params.scale[:, g].float(), params.zero[:, g].float(), g
-            w_col = w_block[:, i]
-            u = torch.round((w_col - zero) / scale).clamp_(-8, 7)
-            levels[:, i] = u
-            err = (w_col - (u * scale + zero)).div_(diagonal[i])
-            w_block[:, i + 1:].sub_(err[:, None] * h_block[i, i + 1:][None, :])
-            err_block[:, i] = err
+        levels = torch.zeros(n, end - start, device=w.device)  # q - 8, as int4_round rounds
+        step = end - start if params.static else gs
+        for i in range(0, end - start, step):
+            j = min(i + step, end - start)
+            if not params.static:  # dynamic groups: the order is the identity, i a group's first column
+                params.begin(w_block[:, i:j], (start + i) // gs)
+            cols = groups[start + i:start + j]
+            scale, zero = params.scale[:, cols].float().contiguous(), params.zero[:, cols].float().contiguous()
+            run(w_block, h_block, scale, zero, i, j, levels, err_block)
         q[:, start:end] = (levels + 8).to(torch.int32)
         w[:, end:] -= err_block @ h_inv[start:end, end:]
     return q
+
+
+def _columns(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, begin: int, end: int,
+             levels: torch.Tensor, err: torch.Tensor) -> None:
+    """Columns begin..end of one block w [N, B] (updated in place), h [B, B] its block of the
+    Cholesky factor, scale and zero [N, end - begin] float32 the parameters of each column's group:
+    levels q - 8 and the scaled errors into ``levels`` and ``err`` [N, B] (the kernel's contract)."""
+    diagonal = h.diagonal().tolist()
+    for i in range(begin, end):
+        s, z, w_col = scale[:, i - begin], zero[:, i - begin], w[:, i]
+        u = torch.round((w_col - z) / s).clamp_(-8, 7)
+        levels[:, i] = u
+        e = (w_col - (u * s + z)).div_(diagonal[i])
+        w[:, i + 1:].sub_(e[:, None] * h[i, i + 1:][None, :])
+        err[:, i] = e
 
 
 def gptq_linear(target: Target, hessian: torch.Tensor, config: Int4GPTQConfig, dtype: torch.dtype) -> Int4Linear:

@@ -400,6 +400,10 @@ SEARCH_CHUNK_ELEMENTS = 1 << 18
 temporaries stay in cache across the 36 trims, instead of each trim streaming the whole matrix."""
 
 
+_KERNEL_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The output dtypes the CPU kernel ``int4_range_search`` rounds parameters to, by its code."""
+
+
 def int4_search_params(w: torch.Tensor, dtype: torch.dtype, importance: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`int4_group_params` for groups w [..., g], but the (scale, zero) that minimise each
@@ -409,9 +413,19 @@ def int4_search_params(w: torch.Tensor, dtype: torch.dtype, importance: torch.Te
 
     Trimming lets a few outliers clip so that the other weights get a finer grid. Min-max is
     a candidate and parameters are compared as rounded to ``dtype``, so no group's error is ever
-    above min-max's. Searched :data:`SEARCH_CHUNK_ELEMENTS` weights at a time along the first
-    dimension (``importance`` broadcasts against w, or has w's first dimension and is cut with it)."""
+    above min-max's. ``importance`` broadcasts against w, or has w's first dimension.
+
+    On CPU the compiled kernel ``int4_range_search`` tries every candidate of one group while the
+    group is in cache (about 10x PyTorch's speed); elsewhere, or with the kernels off, PyTorch
+    searches :data:`SEARCH_CHUNK_ELEMENTS` weights at a time along the first dimension."""
     w = w.float()
+    ops = dispatch.for_tensors(w) if dtype in _KERNEL_DTYPE_CODES and w.numel() else None
+    if ops is not None:
+        g = w.shape[-1]
+        weights = None if importance is None else importance.float().expand_as(w).reshape(-1, g)
+        scale, zero = ops.int4_range_search(w.reshape(-1, g), weights, torch.tensor(RANGE_TRIMS),
+                                            _KERNEL_DTYPE_CODES[dtype])
+        return scale.view(w.shape[:-1]).to(dtype), zero.view(w.shape[:-1]).to(dtype)
     rows = max(1, SEARCH_CHUNK_ELEMENTS // max(1, w[0].numel())) if w.dim() > 1 else w.shape[0]
     if w.dim() < 2 or rows >= w.shape[0]:
         return _search_params(w, dtype, importance)

@@ -26,6 +26,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows,
         "torch.argmax(x, -1) of float32 [rows, vocab] logits: the lowest index of each row's largest value, a NaN "
         "counting as the largest (CPU)", py::arg("x"), py::kw_only(), path);
+  m.def("int4_range_search", &int4_range_search,
+        "int4 range search: each group's (scale, zero) with the least squared rounding error among min-max, ranges "
+        "trimmed by trims at either end and their least-squares refits, as dtype (0 float32, 1 bfloat16, 2 float16) "
+        "rounds them (CPU)",
+        py::arg("w"), py::arg("importance"), py::arg("trims"), py::arg("dtype"));
+  m.def("gptq_columns", &gptq_columns,
+        "GPTQ's column loop over columns begin..end of one block, in place: levels q - 8 and errors scaled by the "
+        "Cholesky factor's diagonal into levels and err, each error pushed onto the block's later columns (CPU)",
+        py::arg("w"), py::arg("h"), py::arg("scale"), py::arg("zero"), py::arg("begin"), py::arg("end"),
+        py::arg("levels"), py::arg("err"));
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::arg("q"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"), py::arg("value_scale"),
         py::arg("block_tables"), py::arg("key_start"), py::arg("key_end"), py::arg("scale"), py::kw_only(), path);

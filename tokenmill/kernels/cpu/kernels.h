@@ -35,6 +35,19 @@ inline bool is_portable(KernelPath path) { return path == KernelPath::Portable; 
 // argmax.cpp: torch.argmax(x, -1) of float32 [rows, vocab] logits (greedy sampling)
 at::Tensor argmax_rows(at::Tensor x, KernelPath path);
 
+// int4_search.cpp: the (scale, zero) int4_search_params picks for each group, w float32 [groups, g],
+// importance float32 of w's shape (or none), trims float32 [T], rounded as dtype (0 float32,
+// 1 bfloat16, 2 float16) stores them: (scale, zero) float32 [groups]
+std::tuple<at::Tensor, at::Tensor> int4_range_search(at::Tensor w, std::optional<at::Tensor> importance,
+                                                     at::Tensor trims, int64_t dtype);
+
+// gptq.cpp: GPTQ's loop over columns begin..end of one block, w float32 [N, B] updated in place,
+// h [B, B] the block of the inverse Hessian's upper Cholesky factor, scale and zero float32
+// [N, end - begin] each column's group parameters; writes levels (q - 8) and the errors divided by
+// h's diagonal into levels and err [N, B]
+void gptq_columns(at::Tensor w, at::Tensor h, at::Tensor scale, at::Tensor zero, int64_t begin, int64_t end,
+                  at::Tensor levels, at::Tensor err);
+
 // paged_attention.cpp
 bool supports_head_dim(int64_t D);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,

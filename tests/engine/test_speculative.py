@@ -108,8 +108,8 @@ def test_greedy_output_is_identical_to_speculation_off():
     """SmolLM2 in float32, 64 varied prompts (EOS and stop handling included), greedy and seeded
     sampling (top-k, top-p, min-p, penalties, min_tokens): every output token, text and logprob the
     same with n-gram speculation as without."""
-    plain = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_seqs=16)
-    spec = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_seqs=16, speculative_method="ngram",
+    plain = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_seqs=32)
+    spec = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_seqs=32, speculative_method="ngram",
                num_speculative_tokens=4)
     prompts = _prompts(plain.tokenizer)
     expected, got = _generate(plain, prompts), _generate(spec, prompts)

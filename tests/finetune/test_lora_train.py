@@ -138,7 +138,7 @@ def word_code_records(n: int, seed: int) -> list[dict]:
 
 @pytest.mark.real_model
 def test_trained_adapter_beats_the_base_on_held_out_exact_match(tmp_path):
-    """SmolLM2: an adapter trained on 320 records of the task answers at least 20 points more of
+    """SmolLM2: an adapter trained for 15 steps of 8 records (of 320) of the task answers at least 20 points more of
     60 held-out prompts exactly than the base model does."""
     from tokenmill import LLM, SamplingParams
     from tokenmill.loader import load_model
@@ -147,7 +147,7 @@ def test_trained_adapter_beats_the_base_on_held_out_exact_match(tmp_path):
     held = word_code_records(60, seed=1)
     loaded = load_model("smollm2-135m-instruct", "float32", "cpu")
     config = LoRATrainConfig(rank=8, alpha=16, batch_size=8, eval_fraction=0.1, eval_every=0,
-                             train=TrainConfig(steps=30, lr=1e-3, warmup_steps=3))
+                             train=TrainConfig(steps=15, lr=1e-3, warmup_steps=3))
     train_lora(loaded, tmp_path / "train.jsonl", tmp_path / "adapter", config, progress=False)
     del loaded
     llm = LLM("smollm2-135m-instruct", enable_lora=True, max_lora_rank=8, max_num_seqs=16)
@@ -160,4 +160,5 @@ def test_trained_adapter_beats_the_base_on_held_out_exact_match(tmp_path):
         return 100 * sum(o.outputs[0].text.strip() == r["completion"].strip() for o, r in zip(outputs, held)) / len(held)
 
     base, adapted = exact(None), exact("code")
+    print(f"\nheld-out exact match: base {base:.0f}%, adapted {adapted:.0f}%")
     assert adapted >= base + 20, (base, adapted)

@@ -95,7 +95,10 @@ def test_shared_prefix_lands_on_the_replica_holding_it_and_follows_evictions(fro
     first = complete(front, PREFIX_P + "question 0")
     assert first.status_code == 200, first.text
     holder = next(rid for rid, n in routed(front).items() if n > before.get(rid, 0))
-    time.sleep(0.5)  # the holder's next report
+    # the holder's next report: until then the router counts the first request's prefill as still
+    # queued there (it learns of finished work from reports) and may send the next one elsewhere;
+    # reports come every 0.2 s, but a loaded machine delays Ray's polling (a CI run once saw > 0.5 s)
+    time.sleep(2.0)
     for i in range(1, 7):
         r = complete(front, PREFIX_P + f"question {i}")
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 160, r.text
@@ -111,7 +114,7 @@ def test_shared_prefix_lands_on_the_replica_holding_it_and_follows_evictions(fro
     assert direct(front, PREFIX_P + "question on the other", exclude=(holder,)) == other
     for i in range(8):
         assert direct(front, f"{i} filler " * 25, exclude=(other,)) == holder
-    time.sleep(1.5)  # the holder's report without P, and past the router's optimistic memory
+    time.sleep(2.5)  # the holder's report without P (see above), and past the router's optimistic memory
     r = complete(front, PREFIX_P + "question after eviction")
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 160, r.text
     decisions = front.state.engine.ledger.snapshot()[0]

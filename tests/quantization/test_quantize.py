@@ -15,6 +15,7 @@ from tokenmill.errors import InvalidParameterError
 from tokenmill.loading.hf_config import hf_model_config
 from tokenmill.loader import load_model
 from tokenmill.quantization import (
+    Int4GPTQConfig,
     Int4WeightOnlyConfig,
     Int8WeightOnlyConfig,
     quantize,
@@ -214,3 +215,26 @@ def test_quality_check_warns_above_its_budget(monkeypatch, capsys, after, warns)
     assert change == pytest.approx(after / 10.0 - 1)
     assert f"10.000 (float32 source) -> {after:.3f} (int4, bfloat16): {change:+.2%} (budget +8%)" in out
     assert ("warning: quantizing raised perplexity by" in err) == warns
+
+
+@pytest.mark.parametrize("config", [Int4WeightOnlyConfig(activation_weighted=True, num_samples=2, seq_len=32),
+                                    Int4GPTQConfig(num_samples=2, seq_len=32)], ids=["int4 weighted", "int4-gptq"])
+def test_calibrating_in_bfloat16_quantizes_the_float32_weights(config, tmp_path, monkeypatch):
+    """The calibrating methods run the model in the compute dtype, but quantize the source's float32
+    weights, not their bfloat16 cast (which would round them twice)."""
+    from tokenmill.quantization import gptq, handlers
+
+    seen = []
+    for module, name in ((handlers.Int4Linear, "from_float"), (gptq, "gptq_quantize")):
+        original = getattr(module, name)
+
+        def record(weight, *args, _original=original, **kwargs):
+            seen.append(weight.dtype)
+            return _original(weight, *args, **kwargs)
+        monkeypatch.setattr(module, name, record)
+    loaded = tiny_loaded(write_tiny_checkpoint(tmp_path))
+    assert loaded.model.embed.weight.dtype == torch.float32
+    calibration = [list(range(5, 37)), list(range(40, 72))]
+    quantize_model(loaded.model, config, torch.bfloat16, progress=False, calibration=calibration)
+    assert seen and set(seen) == {torch.float32}
+    assert loaded.model.embed.weight.dtype == torch.bfloat16

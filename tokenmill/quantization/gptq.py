@@ -29,7 +29,7 @@ from tokenmill.quantization.calibration import calibration_ids
 from tokenmill.quantization.config import Int4GPTQConfig
 from tokenmill.quantization.linear import (
     Int4Linear, Int8Linear, int4_group_params, int4_search_params, pack_int4, pad_to_groups)
-from tokenmill.quantization.targets import QuantizeContext, Target, cast_float_parameters, set_module
+from tokenmill.quantization.targets import QuantizeContext, Target, cast_float_parameters, detached, set_module
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, dtype: torch.dtype,
@@ -191,7 +191,7 @@ def quantize_gptq(model: CausalLM, config: Int4GPTQConfig, targets: list[Target]
     """The int4-gptq handler: calibrate and quantize the blocks one by one (see the module docstring),
     then the LM head (INT8 with ``lm_head_int8``, else GPTQ on the final norm's outputs)."""
     samples = calibration_ids(ctx, config.num_samples, config.seq_len, config.method)
-    by_name = {t.name: t for t in targets}  # their weights stay float32 when the model was
+    by_name = {t.name: t for t in detached(targets)}  # their weights stay float32 when the model was
     cast_float_parameters(model, ctx.dtype)  # calibrate in the dtype the model will run in
     runner = ModelRunner.for_sequences(model, max(len(s) for s in samples))
     device = model.embed.weight.device

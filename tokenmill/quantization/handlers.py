@@ -34,7 +34,7 @@ from tokenmill.quantization.config import (
 )
 from tokenmill.quantization.linear import Int4Linear, Int8Linear, QuantizedLinear, W8A8Linear
 from tokenmill.quantization.smoothing import smooth
-from tokenmill.quantization.targets import QuantizeContext, Target, replace_each
+from tokenmill.quantization.targets import QuantizeContext, Target, cast_float_parameters, detached, replace_each
 
 Handler = Callable[[CausalLM, QuantConfig, list[Target], QuantizeContext], None]
 
@@ -50,6 +50,10 @@ def quantize_int4_weight_only(model: CausalLM, config: Int4WeightOnlyConfig, tar
     importance: dict[str, torch.Tensor] = {}
     if config.activation_weighted:
         samples = calibration_ids(ctx, config.num_samples, config.seq_len, "int4 activation_weighted")
+        # calibrate in the dtype the model will run in (what its layers will see, and a float32
+        # source runs several times slower); the weights are quantized from the source's tensors
+        targets = detached(targets)
+        cast_float_parameters(model, ctx.dtype)
         importance = input_mean_squares(model, [t.name for t in targets], samples, ctx.progress)
 
     def make(t: Target) -> QuantizedLinear:

@@ -6,6 +6,7 @@
     set_module(model, name, module)       swap one module in by its path
     replace_each(model, targets, make)    set_module for every target, with a progress bar
     cast_float_parameters(model, dtype)   float parameters to the compute dtype
+    detached(targets)                     the targets' tensors, kept as they are through such a cast
 
 A handler (handlers.py) receives the model, its config, the targets and a
 :class:`QuantizeContext`, and swaps a quantized layer in for each target.
@@ -60,6 +61,14 @@ def quantization_targets(model: CausalLM, config: QuantConfig) -> list[Target]:
         targets.append(Target("lm_head", model.embed.weight if head is None else head.weight,
                               None if head is None else head.bias))
     return targets
+
+
+def detached(targets: list[Target]) -> list[Target]:
+    """The targets holding their weight and bias tensors as they are now instead of the model's
+    Parameters, so that casting the model afterwards (to calibrate in the compute dtype) leaves
+    them as they were: float32 for a float32 model. No copy: they share the old storage, which
+    the cast no longer uses."""
+    return [Target(t.name, t.weight.detach(), None if t.bias is None else t.bias.detach()) for t in targets]
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -110,6 +110,37 @@ def test_symmetric_mins_take_the_same_sums(bits):
                            together[i])
 
 
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 12, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("path", ["FASTEST", "VECTOR", "PORTABLE"], ids=["fastest", "avx512", "portable"])
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_scales_alone_give_the_same_bits(bits, path, dtype, m):
+    """A symmetric type's sz as scales alone ([..., 1, 16], mn 0: scales_alone) gives the very outputs
+    of its (scale, min) layout, on every schedule (fixed point, few rows, tiles, many rows)."""
+    n, k, group_size = 48, 256, 32
+    codes, scale, _ = _weights(n, k, group_size, bits, seed=bits + m)
+    packed, sz = qk.group_cpu_pack(codes, scale, -scale * qk.CODE_OFFSETS[bits], bits)
+    alone = qk.scales_alone(sz, bits)
+    assert alone.shape == (3, k // group_size, 1, 16) and torch.equal(alone[:, :, 0], sz[:, :, 0])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    kernel_path = ops.KernelPath[path]
+    assert torch.equal(ops.group_weight_linear(x, packed, alone, group_size, bits, path=kernel_path),
+                       ops.group_weight_linear(x, packed, sz, group_size, bits, path=kernel_path))
+
+
+def test_scales_alone_only_where_every_min_cancels():
+    """An asymmetric weight (Q4_1), or one min off by one ulp, keeps its (scale, min) layout."""
+    codes, scale, mins = _weights(32, 64, 32, 4, seed=1)
+    _, sz = qk.group_cpu_pack(codes, scale, mins, 4)
+    assert qk.scales_alone(sz, 4) is sz
+    mins = -8 * scale
+    mins[3, 1] = torch.nextafter(mins[3, 1], torch.tensor(1.0))
+    _, sz = qk.group_cpu_pack(codes, scale, mins, 4)
+    assert qk.scales_alone(sz, 4) is sz
+    _, sz = qk.group_cpu_pack(codes, scale, -8 * scale, 8)  # the offset of bits 8 is 128, not 8
+    assert qk.scales_alone(sz, 8) is sz
+
+
 @pytest.mark.parametrize("path", ["FASTEST", "VECTOR"], ids=["fastest", "avx512"])
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (5, 32), (7, 32), (7, 16), (8, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -17,8 +17,10 @@ to a multiple of 16, the extra output columns cut)::
     sz      float16 or float32 [Np / 16, K / group_size, 2, 16]: (scale, min) of each group of a tile's
             16 rows, float16 where every value is one exactly (group_cpu_pack decides)
 
-so the weights are held once, at 0.5 or 1 byte each plus 8 bytes per group (a portable copy beside
-them would double that); :meth:`GroupedLinear.grouped_weight` unpacks them, exactly.
+so the weights are held once, at 0.5 or 1 byte each plus 4 or 8 bytes per group (a portable copy
+beside them would double that); for the symmetric types (every min -o * scale: Q4_0, Q5_0, Q8_0)
+the kernel reads a copy of the scales alone (``kernels.scales_alone``), 2 or 4 bytes per group;
+:meth:`GroupedLinear.grouped_weight` unpacks them, exactly.
 ``matmul`` runs ``kernels.group_weight_mm`` with float32 or bfloat16 activations, the weights
 applied in float32 as stored. Where the compiled kernels are not available (not on CPU, or turned
 off) it falls back to a dequantized weight in the activations' dtype, built per call: a reference
@@ -103,6 +105,7 @@ class GroupedLinear(QuantizedLinear):
         self.register_buffer("sz", sz)
         self._ops = None
         self._prepared = False
+        self._kernel_sz = sz
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, group_size: int, bits: int,
@@ -133,6 +136,8 @@ class GroupedLinear(QuantizedLinear):
         """Pick the kernel for where the buffers are (after construction, loading or a move)."""
         self.packed, self.sz = kernels.aligned(self.packed), kernels.aligned(self.sz)
         self._ops = dispatch.cpu_ops() if self.packed.device.type == "cpu" else None
+        # a symmetric type's kernel reads its scales alone (the saved sz keeps the (scale, min) layout)
+        self._kernel_sz = kernels.aligned(kernels.scales_alone(self.sz, self.bits)) if self._ops else self.sz
         self._prepared = True
         return self
 
@@ -149,10 +154,10 @@ class GroupedLinear(QuantizedLinear):
         if self._ops is None:  # no kernel here: the reference path
             return F.linear(x, self.dequantize().to(device=x.device, dtype=x.dtype))
         if x.dtype in dispatch.KERNEL_DTYPES:
-            y = kernels.group_weight_mm(x.contiguous(), self.packed, self.sz, self.group_size, self.bits,
+            y = kernels.group_weight_mm(x.contiguous(), self.packed, self._kernel_sz, self.group_size, self.bits,
                                         out_float32)
         else:  # float16 and others: in float32
-            y = kernels.group_weight_mm(x.float().contiguous(), self.packed, self.sz, self.group_size,
+            y = kernels.group_weight_mm(x.float().contiguous(), self.packed, self._kernel_sz, self.group_size,
                                         self.bits).to(x.dtype)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
@@ -162,7 +167,7 @@ class GroupedLinear(QuantizedLinear):
         if self._ops is None:
             return None
         return CpuLinearSpec(kind=LinearKind.GROUPED, weight=self.packed, out_features=self.out_features,
-                             in_features=self.in_features, scales=self.sz, bias=self.bias,
+                             in_features=self.in_features, scales=self._kernel_sz, bias=self.bias,
                              group_size=self.group_size, bits=self.bits)
 
     def dequantize(self) -> torch.Tensor:

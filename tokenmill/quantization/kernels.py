@@ -191,16 +191,33 @@ def group_cpu_pack(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
     return weight, _tile_scales(scale, min, torch.float16 if _exact_in_half(scale, min) else torch.float32)
 
 
+CODE_OFFSETS = {4: 8, 5: 16, 7: -128, 8: 128}
+"""bits -> o, what ``group_weight_linear`` subtracts from the codes before its products (it folds
+o * scale into the min: mn = min + o * scale)."""
+
+
+def scales_alone(sz: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`group_cpu_pack`'s sz [N / 16, G, 2, 16] as scales alone, [N / 16, G, 1, 16], when every
+    min is exactly -o * scale (the kernel's mn is then 0: GGUF's symmetric Q4_0, Q5_0 and Q8_0, and
+    int8 weights), else sz itself. The kernel computes the same sums and streams 2 bytes (float16
+    scales) fewer per group: about 6% of a Q8_0 weight's bytes."""
+    scale, mn = sz[:, :, 0].float(), sz[:, :, 1].float()
+    if torch.equal(mn, -CODE_OFFSETS[bits] * scale):
+        return sz[:, :, :1].contiguous()
+    return sz
+
+
 def int8_grouped_pack(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A symmetric per-channel int8 weight (``w = q * scale[n]``, q int8 [N, K]) as grouped codes
     with one group per row (code q + 128, scale, min -128 scale: exact), rows padded to a multiple of
-    16, for :func:`group_weight_mm` with group_size K and bits 8."""
+    16, for :func:`group_weight_mm` with group_size K and bits 8 (the scales alone: min = -128 scale)."""
     pad = -qweight.shape[0] % 16
     codes = (qweight.to(torch.int16) + 128).to(torch.uint8)
     s = scale.float()[:, None]
     if pad:
         codes, s = torch.nn.functional.pad(codes, (0, 0, 0, pad)), torch.nn.functional.pad(s, (0, 0, 0, pad))
-    return group_cpu_pack(codes, s, -128 * s, 8)
+    packed, sz = group_cpu_pack(codes, s, -128 * s, 8)
+    return packed, scales_alone(sz, 8)
 
 
 def _exact_in_half(*tensors: torch.Tensor) -> bool:

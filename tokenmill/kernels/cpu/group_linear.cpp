@@ -30,7 +30,9 @@
 //           k pair 2c, bit w = word w, then one for 2c + 1), set into bit 4 of the vpermw index
 //           (a 32-entry table of code - 16): 5 / 8 of a byte per weight, as Q5_0 and Q5_1 store them
 // and (scale, min) [N / 16, G, 2, 16] (float32, or float16 where every value is one exactly: GGUF's
-// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, half the bytes; Tinygemm also bfloat16), read once per group.
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, half the bytes; Tinygemm also bfloat16), read once per group;
+// or scales alone, [N / 16, G, 1, 16], where every min is -o * scale (mn = 0: Q4_0 at bits 4, Q5_0
+// at bits 5, Q8_0 at bits 8, GGUF's symmetric types), 2 bytes less per group: the same sums.
 //
 // Rounding: codes -> bfloat16 is exact, products are summed in float32 by vdpbf16ps; bfloat16 x is
 // used as is, float32 x is split into a bfloat16 high part and a bfloat16 low part (two products per
@@ -116,10 +118,11 @@ struct Problem {
   const uint16_t* xl;  // [M, K] the low part (float32 x only), else nullptr
   const float* sx;     // [M, G] group sums of x as the products see it (xh + xl)
   const uint8_t* w;    // [N / 16, K / 4 or K / 2, 32]
-  const S* sz;         // [N / 16, G, 2, 16]
+  const S* sz;         // [N / 16, G, 2, 16], or [N / 16, G, 1, 16]: scales alone, every mn 0
   int64_t M, K, N, G, gs;
   int bits;            // 4, 5, 7 or 8
   bool shift_min;      // Grouped: mn = min + o * scale; Tinygemm: mn = zero
+  int64_t zs;          // sz values per group of a tile: 32 (scale, min) or 16 (scale alone)
 };
 
 // The codes' offset o: the kernel multiplies by code - o.
@@ -285,10 +288,14 @@ struct Unpack<7> {
   }
 };
 
-// The (scale, mn) of a tile's group, as float32.
+// The (scale, mn) of a tile's group, as float32 (scales alone: mn 0).
 template <typename S>
-inline void scale_min(const S* szg, bool shift, float offset, __m512* scale, __m512* mn) {
+inline void scale_min(const S* szg, int64_t zs, bool shift, float offset, __m512* scale, __m512* mn) {
   *scale = load16(szg);
+  if (zs == 16) {
+    *mn = _mm512_setzero_ps();
+    return;
+  }
   *mn = load16(szg + 16);
   if (shift) *mn = _mm512_fmadd_ps(_mm512_set1_ps(offset), *scale, *mn);
 }
@@ -338,7 +345,7 @@ void strip_rows(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, int
   constexpr int P = Unpack<Bits>::kPairs;
   const int64_t tile_bytes = tile_rows(p.K, p.bits) * 32;
   const uint8_t* wt = p.w + t0 * tile_bytes;
-  const S* szt = p.sz + t0 * p.G * 32;
+  const S* szt = p.sz + t0 * p.G * p.zs;
   const float offset = static_cast<float>(code_offset(p.bits));
   const uint16_t* xh = p.xh + m0 * p.K;
   const uint16_t* xl = kTwo ? p.xl + m0 * p.K : nullptr;
@@ -379,7 +386,7 @@ void strip_rows(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, int
 #pragma GCC unroll 4
     for (int t = 0; t < NT; ++t) {
       __m512 scale, mn;
-      scale_min(szt + (t * p.G + g) * 32, p.shift_min, offset, &scale, &mn);
+      scale_min(szt + (t * p.G + g) * p.zs, p.zs, p.shift_min, offset, &scale, &mn);
 #pragma GCC unroll 8
       for (int r = 0; r < MB; ++r) res[r][t] = group_end(res[r][t], acc[r][t], scale, mn, sx + r * p.G + g);
     }
@@ -531,7 +538,7 @@ void strip_rows_fixed(const Problem<S>& p, const FixedX& fx, int64_t t0, int64_t
   const UnpackInt<Bits> unpack;
   const int64_t tile_bytes = tile_rows(p.K, p.bits) * 32;
   const uint8_t* wt = p.w + t0 * tile_bytes;
-  const S* szt = p.sz + t0 * p.G * 32;
+  const S* szt = p.sz + t0 * p.G * p.zs;
   const int o = fixed_offset(p.bits);
   const int16_t* xi = fx.xi.data_ptr<int16_t>() + m0 * p.K;
   const int32_t* sxi = fx.sxi.data_ptr<int32_t>() + m0 * p.G;
@@ -551,7 +558,7 @@ void strip_rows_fixed(const Problem<S>& p, const FixedX& fx, int64_t t0, int64_t
       for (int t = 0; t < NT; ++t) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_si512();
     const int64_t c0 = g * chunks_per_group;
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) _mm_prefetch(reinterpret_cast<const char*>(szt + (t * p.G + g + 1) * 32), _MM_HINT_T0);
+    for (int t = 0; t < NT; ++t) _mm_prefetch(reinterpret_cast<const char*>(szt + (t * p.G + g + 1) * p.zs), _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int64_t c = c0; c < c0 + chunks_per_group; c += 2) {
       // a decode step streams its weights from memory: ask for them kPrefetch chunks ahead (the
@@ -578,7 +585,7 @@ void strip_rows_fixed(const Problem<S>& p, const FixedX& fx, int64_t t0, int64_t
 #pragma GCC unroll 4
     for (int t = 0; t < NT; ++t) {
       __m512 scale, mn;
-      scale_min(szt + (t * p.G + g) * 32, p.shift_min, static_cast<float>(o), &scale, &mn);
+      scale_min(szt + (t * p.G + g) * p.zs, p.zs, p.shift_min, static_cast<float>(o), &scale, &mn);
 #pragma GCC unroll 4
       for (int r = 0; r < MB; ++r) {
         const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(acc[r][t][0], acc[r][t][1]),
@@ -785,10 +792,10 @@ bool unpack_strip(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, u
       unpack(wt, c, v);
       for (int i = 0; i < P; ++i) _mm512_store_si512(w + ((c * P + i) * NB + t) * 32, (__m512i)v[i]);
     }
-    const S* szt = p.sz + (t0 + t) * p.G * 32;
+    const S* szt = p.sz + (t0 + t) * p.G * p.zs;
     for (int64_t g = 0; g < p.G; ++g) {
       __m512 scale, mn;
-      scale_min(szt + g * 32, p.shift_min, offset, &scale, &mn);
+      scale_min(szt + g * p.zs, p.zs, p.shift_min, offset, &scale, &mn);
       _mm512_store_ps(smin + (g * NB + t) * 32, scale);
       _mm512_store_ps(smin + (g * NB + t) * 32 + 16, mn);
       nonzero |= _mm512_cmpneq_ps_mask(mn, _mm512_setzero_ps());
@@ -950,7 +957,7 @@ void tiles_portable(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
   const float offset = static_cast<float>(code_offset(p.bits));
   for (int64_t t = t_begin; t < t_end; ++t) {
     const uint8_t* wt = p.w + t * tile_rows(p.K, p.bits) * 32;
-    const S* szt = p.sz + t * p.G * 32;
+    const S* szt = p.sz + t * p.G * p.zs;
     for (int64_t m = 0; m < p.M; ++m)
       for (int r = 0; r < 16; ++r) {
         float res = 0.f;
@@ -970,9 +977,9 @@ void tiles_portable(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
             if (p.xl) xv += bf16_bits_to_float(p.xl[m * p.K + k]);
             acc += static_cast<float>(code - static_cast<int>(offset)) * xv;
           }
-          const float scale = to_float(szt[g * 32 + r]);
-          float mn = to_float(szt[g * 32 + 16 + r]);
-          if (p.shift_min) mn += offset * scale;
+          const float scale = to_float(szt[g * p.zs + r]);
+          float mn = p.zs == 16 ? 0.f : to_float(szt[g * p.zs + 16 + r]);
+          if (p.shift_min && p.zs == 32) mn += offset * scale;
           res += scale * acc + mn * p.sx[m * p.G + g];
         }
         y[m * p.N + t * 16 + r] = static_cast<T>(res);
@@ -1049,7 +1056,8 @@ at::Tensor run_x(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
     px.h = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   else
     px = prepare_x(x, gs, generic);
-  const Problem<S> p{px.h, px.l, px.s, packed.data_ptr<uint8_t>(), sz.data_ptr<S>(), M, K, N, G, gs, bits, shift_min};
+  const Problem<S> p{px.h, px.l, px.s, packed.data_ptr<uint8_t>(), sz.data_ptr<S>(), M, K, N, G, gs, bits, shift_min,
+                     16 * sz.size(2)};
   if (x.scalar_type() == at::kFloat) run(p, y.data_ptr<float>(), generic, tiles_ok);
   else if (out_float32) {
     if constexpr (kInt4Scales<S>) {
@@ -1099,10 +1107,10 @@ at::Tensor group_weight_linear(at::Tensor x, at::Tensor packed, at::Tensor sz, i
               " columns, the weight ", packed.size(1), " rows of 32 bytes per tile (", rows, " = ",
               tile_rows(K, static_cast<int>(bits)), " expected)");
   TORCH_CHECK(K % group_size == 0, "group_weight_linear: K = ", K, " is not a whole number of groups of ", group_size);
-  TORCH_CHECK(sz.dim() == 4 && sz.size(0) == packed.size(0) && sz.size(1) == K / group_size && sz.size(2) == 2 &&
-                  sz.size(3) == 16,
+  TORCH_CHECK(sz.dim() == 4 && sz.size(0) == packed.size(0) && sz.size(1) == K / group_size &&
+                  (sz.size(2) == 2 || sz.size(2) == 1) && sz.size(3) == 16,
               "group_weight_linear: scales and mins must be [N / 16, K / group_size, 2, 16] = [", packed.size(0), ", ",
-              K / group_size, ", 2, 16], got ", sz.sizes());
+              K / group_size, ", 2, 16] (or [..., 1, 16]: scales alone, min = -o * scale), got ", sz.sizes());
   TORCH_CHECK(sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kHalf,
               "group_weight_linear: scales and mins must be float32 or float16 (exact values only)");
   return grouped_codes_linear(x, packed, sz, group_size, bits, /*shift_min=*/true, out_float32, path);

@@ -178,8 +178,10 @@ class DraftModelProposer:
         if random:
             index = torch.tensor(random)
             seeded = [states[i].params.seed is not None for i in random]
-            u = torch.tensor([self.sampler.uniforms([states[i]])[0] if s else float(torch.rand(1, generator=self.generator))
-                              for i, s in zip(random, seeded)], dtype=torch.float32)
+            # seeded rows: their (seed, position) uniforms; the others: one draw of this proposer's generator
+            coupled = iter(self.sampler.uniforms([states[i] for i, s in zip(random, seeded) if s]))
+            fresh = iter(torch.rand(seeded.count(False), generator=self.generator).tolist())
+            u = torch.tensor([next(coupled) if s else next(fresh) for s in seeded], dtype=torch.float32)
             picked = scores.index_select(0, index)
             tokens[index] = sample(picked, u)
             dist = picked.softmax(-1)

@@ -98,7 +98,7 @@ def test_symmetric_mins_take_the_same_sums(bits):
     minimum; results stay those of the few-rows one."""
     n, k, group_size = 64, 256, 32
     codes, scale, _ = _weights(n, k, group_size, bits, seed=9)
-    mins = -scale * {4: 8, 5: 16, 8: 128}[bits]
+    mins = -scale * qk.CODE_OFFSETS[bits]
     packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
     x = torch.randn(40, k).bfloat16()
     together = ops.group_weight_linear(x, packed, sz, group_size, bits)

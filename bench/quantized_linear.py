@@ -9,7 +9,8 @@ Kernels, all on the same shapes with bfloat16 x and bfloat16 out:
              on group_linear.cpp's kernel
     group4   group_weight_linear bits 4 (w = code * scale + min, codes 0..15: Q4_1 / Q4_K)
     group4vec  group4 on KernelPath.VECTOR: vdpbf16ps products at every row count, what the
-             fixed-point products (few rows, AVX-512 VNNI) and AMX tiles (many) replace
+             fixed-point products (few rows, AVX-512 VNNI), AMX tiles and, from dequant_rows() rows,
+             the bfloat16 GEMM over weights dequantized once per call replace
     group5   group_weight_linear bits 5 (codes 0..31, 5/8 of a byte each: Q5_0, Q5_1, Q5_K)
     group7   group_weight_linear bits 7 (codes 0..127, a byte each: Q6_K)
     group8   group_weight_linear bits 8 (codes 0..255: Q8_0)
@@ -119,8 +120,11 @@ def main() -> None:
     tiles = f"AMX tiles from {ops.amx_min_rows()} rows (TOKENMILL_AMX=0: none)" if amx else "no AMX tiles"
     fixed = ops.fixed_point_rows()
     fixed_text = f"grouped codes on integer products below {fixed} rows" if fixed else "no fixed-point products"
+    dequant = ops.dequant_rows()
+    dequant_text = (f"from {dequant} rows the bfloat16 GEMM over weights dequantized once per call" if dequant
+                    else "no dequantized rows")
     print(f"{args.threads} threads, group {args.group_size}, {args.mins} mins, weights hot, median per call; {tiles}; "
-          f"{fixed_text}")
+          f"{fixed_text}; {dequant_text}")
     print(header)
     print("-" * len(header))
     start = time.perf_counter()
@@ -139,6 +143,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     result = {"threads": args.threads, "group_size": args.group_size, "mins": args.mins, "x_dtype": "bfloat16",
               "amx_tiles": amx, "amx_min_rows": ops.amx_min_rows(), "fixed_point_rows": fixed,
+              "dequant_rows": dequant,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
               "seconds": round(elapsed, 1), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,18 @@ def _dequantized(codes, scale, mins, group_size: int) -> torch.Tensor:
     return w.view(n, k)
 
 
+def _dequantizes(m: int, dtype: torch.dtype, path: str = "FASTEST", k: int = 32) -> bool:
+    """Whether a call of m rows runs the bfloat16 GEMM over weights rounded to bfloat16 (tiles_dequant)."""
+    rows = ops.dequant_rows()
+    return path == "FASTEST" and dtype == torch.bfloat16 and rows > 0 and m >= rows and k % 32 == 0
+
+
+def _as_called(w: torch.Tensor, m: int, dtype: torch.dtype, path: str = "FASTEST") -> torch.Tensor:
+    """The float64 weights a call of m rows multiplies by: w itself, or rounded to bfloat16 (via
+    float32, as the kernel's fma rounds code * scale + min) where the call dequantizes."""
+    return w.float().bfloat16().double() if _dequantizes(m, dtype, path, w.shape[1]) else w
+
+
 def _check(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         # x kept to about 16 bits (bfloat16 high + low parts: |x - h - l| <= 2^-18 |x|), float32 sums
@@ -61,7 +73,7 @@ def test_matches_float64_reference(path, dtype, bits, group_size, m):
     codes, scale, mins = _weights(n, k, group_size, bits, seed=bits + group_size + m)
     packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    expected = x.double() @ _dequantized(codes, scale, mins, group_size).T
+    expected = x.double() @ _as_called(_dequantized(codes, scale, mins, group_size), m, dtype, path).T
     got = ops.group_weight_linear(x, packed, sz, group_size, bits, path=ops.KernelPath[path])
     assert got.dtype == dtype and got.shape == (m, n)
     _check(got, expected, dtype)
@@ -89,7 +101,8 @@ def test_larger_shape_and_the_python_entry_point(bits):
     for m in (1, 40):
         x = torch.randn(m, k).bfloat16()
         got = qk.group_weight_mm(x, packed, sz, group_size, bits)
-        _check(got, x.double() @ _dequantized(codes, scale, mins, group_size).T, torch.bfloat16)
+        w = _as_called(_dequantized(codes, scale, mins, group_size), m, torch.bfloat16)
+        _check(got, x.double() @ w.T, torch.bfloat16)
 
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
@@ -102,8 +115,9 @@ def test_symmetric_mins_take_the_same_sums(bits):
     packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
     x = torch.randn(40, k).bfloat16()
     together = ops.group_weight_linear(x, packed, sz, group_size, bits)
-    _check(together, x.double() @ _dequantized(codes, scale, mins, group_size).T, torch.bfloat16)
-    vector = ops.KernelPath.VECTOR  # the two vector schedules (AMX hosts run 40 rows on tiles)
+    w = _as_called(_dequantized(codes, scale, mins, group_size), 40, torch.bfloat16)
+    _check(together, x.double() @ w.T, torch.bfloat16)
+    vector = ops.KernelPath.VECTOR  # the two vector schedules (40 rows: dequantized weights, AMX tiles)
     together = ops.group_weight_linear(x, packed, sz, group_size, bits, path=vector)
     for i in (0, 17, 39):
         assert torch.equal(ops.group_weight_linear(x[i:i + 1], packed, sz, group_size, bits, path=vector)[0],
@@ -148,8 +162,10 @@ def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits, group_size
     """On both paths: a row's result is the same alone, in any batch (the vector schedules' blocks,
     AMX row tiles of 16 and their tails) and on any number of threads. On the fastest path,
     bfloat16 calls of fewer than fixed_point_rows() rows take integer products (the same in every
-    such call), and where there are AMX tiles, calls of amx_min_rows() rows or more run on them
-    (the same in every such call); other calls take the vector schedules."""
+    such call), calls of dequant_rows() rows or more the bfloat16 GEMM over dequantized weights
+    (the same in every such call), and where there are AMX tiles, calls of amx_min_rows() rows or
+    more and fewer than dequant_rows() run on them (the same in every such call); other calls take
+    the vector schedules."""
     n, k = 80, 192
     codes, scale, mins = _weights(n, k, group_size, bits, seed=11)
     packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
@@ -162,17 +178,21 @@ def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits, group_size
     fastest_bf16 = path == "FASTEST" and dtype == torch.bfloat16
     fixed = ops.fixed_point_rows() if fastest_bf16 else 0
     tiles = fastest_bf16 and ops.amx_tiles()
-    few = mm(x, ops.KernelPath.VECTOR) if tiles else together
+    dequant = ops.dequant_rows() if fastest_bf16 else 0
+    few = mm(x, ops.KernelPath.VECTOR) if tiles or dequant else together
+    mid = torch.cat([mm(x[i:i + 20]) for i in range(0, 300, 20)]) if tiles else few  # calls of 20 rows
     singles = torch.cat([mm(x[i:i + 1]) for i in range(300)]) if fixed else None
 
     def want(m):
         if m < fixed:
             return singles
-        return few if tiles and m < ops.amx_min_rows() else together
+        if dequant and m >= dequant:
+            return together
+        return mid if tiles and m >= ops.amx_min_rows() else few
 
     for i in range(0, 300, 13):
         assert torch.equal(mm(x[i:i + 1])[0], want(1)[i])
-    for m in (2, 3, 4, 7, 15, 16, 17, 31, 32, 33):  # the schedules' block sizes, row tiles of 16 and tails
+    for m in (2, 3, 4, 7, 15, 16, 17, 23, 24, 25, 31, 32, 33):  # block sizes, row tiles of 16 and tails
         assert torch.equal(mm(x[:m]), want(m)[:m])
         assert torch.equal(mm(x[m:2 * m]), want(m)[m:2 * m])
     three, five = mm(x[:3]), mm(x[:5])
@@ -267,11 +287,12 @@ def test_int4_shares_the_kernel_and_its_invariance(scale_dtype):
     packed, sz = qk.int4_cpu_pack(qk.pack_nibbles(codes), scale, zero)
     assert sz.dtype == scale_dtype
     x = torch.randn(40, k).bfloat16()
-    expected = x.double() @ _dequantized(codes, scale, zero.double() - 8 * scale.double(), group_size).T
-    _check(ops.int4_weight_linear(x, packed, sz, group_size), expected, torch.bfloat16)
-    vector = ops.KernelPath.VECTOR  # both schedules of the vector path (AMX hosts run 40 rows on tiles)
+    w = _dequantized(codes, scale, zero.double() - 8 * scale.double(), group_size)
+    _check(ops.int4_weight_linear(x, packed, sz, group_size), x.double() @ _as_called(w, 40, torch.bfloat16).T,
+           torch.bfloat16)
+    vector = ops.KernelPath.VECTOR  # both schedules of the vector path (40 rows: dequantized weights, AMX tiles)
     together = ops.int4_weight_linear(x, packed, sz, group_size, path=vector)
-    _check(together, expected, torch.bfloat16)
+    _check(together, x.double() @ w.T, torch.bfloat16)
     for i in (0, 21, 39):
         assert torch.equal(ops.int4_weight_linear(x[i:i + 1], packed, sz, group_size, path=vector)[0], together[i])
 
@@ -398,7 +419,92 @@ def test_float16_scales_where_exact_give_the_same_bits(m, bits):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
     got = qk.group_weight_mm(x, packed, sz, group_size, bits)
     assert torch.equal(got, qk.group_weight_mm(x, packed, sz.float(), group_size, bits))
-    _check(got, x.double() @ _dequantized(codes, scale, mins, group_size).T, torch.bfloat16)
+    _check(got, x.double() @ _as_called(_dequantized(codes, scale, mins, group_size), m, torch.bfloat16).T,
+           torch.bfloat16)
     inexact = scale.clone()
     inexact[0, 0] += 2 ** -20  # one value off the float16 grid: all kept in float32
     assert qk.group_cpu_pack(codes, inexact, mins, bits)[1].dtype == torch.float32
+
+
+def _gguf_like(n: int, k: int, bits: int, symmetric: bool, seed: int):
+    """Codes with float16 scales and mins (Q4_0 .. Q8_0's d and m), min -o * scale where symmetric."""
+    codes, scale, mins = _weights(n, k, 32, bits, seed)
+    scale = scale.half().float()
+    mins = -qk.CODE_OFFSETS[bits] * scale if symmetric else mins.half().float()
+    return codes, scale, mins
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["asymmetric", "symmetric"])
+@pytest.mark.parametrize("bits", [4, 5, 7, 8])
+def test_many_rows_are_the_bfloat16_gemm_over_the_dequantized_weights(bits, symmetric):
+    """Calls of dequant_rows() rows or more (bfloat16 x, fastest path): bit for bit bf16_packed_linear
+    over the weights dequantized in float32 and rounded to bfloat16 (what `--dtype bfloat16` serves
+    from the same file), for every layout (scales alone too) and the float32 output of logits;
+    within bfloat16 weight rounding of the exact product."""
+    n, k = 80, 256  # 5 output tiles: pairs and one alone
+    codes, scale, mins = _gguf_like(n, k, bits, symmetric, seed=bits)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    w = (codes.float() * scale.repeat_interleave(32, 1) + mins.repeat_interleave(32, 1)).bfloat16()
+    dense = ops.bf16_pack(w)
+    layouts = [sz, qk.scales_alone(sz, bits)] if symmetric else [sz]
+    assert layouts[-1].shape[2] == (1 if symmetric else 2)
+    for m in (ops.dequant_rows(), 40, 257):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        want = ops.bf16_packed_linear(x, dense, n, torch.empty(0))
+        for layout in layouts:
+            assert torch.equal(ops.group_weight_linear(x, packed, layout, 32, bits), want)
+            wide = ops.group_weight_linear(x, packed, layout, 32, bits, out_float32=True)
+            assert wide.dtype == torch.float32 and torch.equal(wide, want.float())
+        _check(want, x.double() @ w.double().T, torch.bfloat16)
+
+
+def test_int4_many_rows_are_the_bfloat16_gemm_over_its_weights():
+    """int4_weight_linear's w = (q - 8) * scale + zero (bfloat16 scales), dequantized the same way."""
+    n, k = 48, 256
+    codes, scale, zero = _weights(n, k, 32, 4, seed=4)
+    scale, zero = scale.bfloat16(), zero.bfloat16()
+    packed, sz = qk.int4_cpu_pack(qk.pack_nibbles(codes), scale, zero)
+    w = ((codes.float() - 8) * scale.float().repeat_interleave(32, 1) + zero.float().repeat_interleave(32, 1))
+    x = torch.randn(64, k).bfloat16()
+    want = ops.bf16_packed_linear(x, ops.bf16_pack(w.bfloat16()), n, torch.empty(0))
+    assert torch.equal(ops.int4_weight_linear(x, packed, sz, 32), want)
+
+
+def test_dequantized_many_rows_on_every_fast_build():
+    """Every build with the fast path dequantizes from 24 rows (unless TOKENMILL_DEQUANT_ROWS moves
+    the line): the speed of many-row calls does not hang on a host having AMX."""
+    want = int(os.environ.get("TOKENMILL_DEQUANT_ROWS", 24)) if ops.group_linear_fast() else 0
+    assert ops.dequant_rows() == want
+
+
+_VECTOR_CHILD = """
+import torch
+from tests.kernel_utils import require_kernels
+from tokenmill.quantization import kernels as qk
+ops = require_kernels()
+g = torch.Generator().manual_seed(0)
+codes = torch.randint(0, 16, (48, 128), generator=g, dtype=torch.uint8)
+scale = (torch.rand(48, 4, generator=g) * 0.02).half().float()
+mins = (torch.randn(48, 4, generator=g) * 0.1).half().float()
+packed, sz = qk.group_cpu_pack(codes, scale, mins, 4)
+w = (codes.float() * scale.repeat_interleave(32, 1) + mins.repeat_interleave(32, 1)).bfloat16()
+x = torch.randn(30, 128, generator=g).bfloat16()
+same = torch.equal(ops.group_weight_linear(x, packed, sz, 32, 4),
+                   ops.bf16_packed_linear(x, ops.bf16_pack(w), 48, torch.empty(0)))
+print(ops.amx_tiles(), ops.dequant_rows(), same)
+"""
+
+
+@pytest.mark.parametrize("env,want", [({"TOKENMILL_AMX": "0"}, "False 24 True"),
+                                      ({"TOKENMILL_DEQUANT_ROWS": "0"}, "0 False"),
+                                      ({"TOKENMILL_DEQUANT_ROWS": "31"}, "31 False")])
+def test_dequantized_rows_on_vectors_and_tokenmill_dequant_rows(env, want):
+    """Without AMX tiles (TOKENMILL_AMX=0 here: the arithmetic of hosts without them) the dequantized
+    weights go through bf16_linear.cpp's vector GEMM, again bit for bit; TOKENMILL_DEQUANT_ROWS (read
+    once per process) moves the line, 0 turns it off (30 rows then keep the group-by-group sums)."""
+    if not ops.group_linear_fast():
+        pytest.skip("no AVX-512 BF16 fast path in this build: nothing is dequantized")
+    child_env = {k: v for k, v in os.environ.items() if k not in ("TOKENMILL_AMX", "TOKENMILL_DEQUANT_ROWS")}
+    out = subprocess.run([sys.executable, "-c", _VECTOR_CHILD], env={**child_env, **env}, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1].endswith(want)

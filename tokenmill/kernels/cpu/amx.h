@@ -111,5 +111,50 @@ inline RowTiles row_tiles(const uint16_t* x, int64_t M, int64_t K, std::vector<u
   return RowTiles{x, K, M, tail.empty() ? nullptr : tail.data()};
 }
 
+// Row tiles [b0, b1) of xs times one or two weight tiles, accumulated over the whole of K in the
+// tiles (configure(32, ...): depth-32 products): 32 rows x 32 channels a step, each x tile used
+// twice and each weight tile twice. Weight tile j (w0; w1 unless nullptr) is K / 2 rows of 64
+// bytes, bf16_pack's layout of one output tile. store(c, live, b, j) receives each finished block:
+// c the 16 x 16 float32 sums (64-byte aligned, row r at c + 16 r), live its real rows, b its row
+// tile, j its weight tile. The products of a row do not depend on the other rows.
+template <typename Store>
+inline void rows_2x2(const RowTiles& xs, int64_t b0, int64_t b1, const uint16_t* w0, const uint16_t* w1, int64_t K,
+                     Store&& store) {
+  alignas(64) float c[4][256];
+  const int64_t ldx = K * 2;
+  for (int64_t b = b0; b < b1; b += 2) {
+    int live0 = 0, live1 = 0;
+    const uint16_t* x0 = xs.rows(b, &live0);
+    const bool two_m = b + 1 < b1;
+    const uint16_t* x1 = two_m ? xs.rows(b + 1, &live1) : nullptr;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {  // k pairs k / 2 .. k / 2 + 15: 16 rows of 32 words
+      _tile_loadd(4, x0 + k, ldx);
+      _tile_loadd(6, w0 + k * 16, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (w1) {
+        _tile_loadd(7, w1 + k * 16, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (two_m) {
+        _tile_loadd(5, x1 + k, ldx);
+        _tile_dpbf16ps(2, 5, 6);
+        if (w1) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    for (int rt = 0; rt < (two_m ? 2 : 1); ++rt) {
+      store(c[2 * rt], rt ? live1 : live0, b + rt, 0);
+      if (w1) store(c[2 * rt + 1], rt ? live1 : live0, b + rt, 1);
+    }
+  }
+}
+
 }  // namespace tokenmill_amx
 #endif

@@ -125,6 +125,15 @@ void run_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const
     t0 += full ? NB : 1;
   }
 }
+
+// Every tile of a panel, NB chosen by rows as bf16_packed_linear chooses it.
+template <typename Out>
+void panel_vector(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t tiles, Out* out, int64_t ldo) {
+  // ldo as run_tiles' N: the columns of a panel end at least 16 before the row does, so its masks are full
+  if (M <= 3) run_tiles<8>(x, M, K, w, nullptr, out, ldo, 0, tiles);
+  else if (M <= 6) run_tiles<4>(x, M, K, w, nullptr, out, ldo, 0, tiles);
+  else run_tiles<2>(x, M, K, w, nullptr, out, ldo, 0, tiles);
+}
 #else
 constexpr bool kFast = false;
 #endif
@@ -147,43 +156,10 @@ void amx_store(const float* c, int live, const float* bias, Out* out, int64_t ld
 template <typename Out>
 void amx_rows(const tokenmill_amx::RowTiles& xs, int64_t b0, int64_t b1, const uint16_t* w, int64_t K, bool two_n,
               const float* bias, Out* out, int64_t N, int64_t t0) {
-  alignas(64) float c[4][256];
-  const int64_t ldx = K * 2, K2 = K / 2;
-  const uint16_t* w1 = w + K2 * 32;
-  for (int64_t b = b0; b < b1; b += 2) {
-    int live0 = 0, live1 = 0;
-    const uint16_t* x0 = xs.rows(b, &live0);
-    const bool two_m = b + 1 < b1;
-    const uint16_t* x1 = two_m ? xs.rows(b + 1, &live1) : nullptr;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < K; k += 32) {  // k pairs k / 2 .. k / 2 + 15: 16 rows of 32 words
-      _tile_loadd(4, x0 + k, ldx);
-      _tile_loadd(6, w + k * 16, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if (two_n) {
-        _tile_loadd(7, w1 + k * 16, 64);
-        _tile_dpbf16ps(1, 4, 7);
-      }
-      if (two_m) {
-        _tile_loadd(5, x1 + k, ldx);
-        _tile_dpbf16ps(2, 5, 6);
-        if (two_n) _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    _tile_stored(2, c[2], 64);
-    _tile_stored(3, c[3], 64);
-    for (int rt = 0; rt < (two_m ? 2 : 1); ++rt) {
-      Out* o = out + 16 * (b + rt) * N;
-      const int live = rt ? live1 : live0;
-      amx_store(c[2 * rt], live, bias, o, N, 16 * t0, N);
-      if (two_n) amx_store(c[2 * rt + 1], live, bias, o, N, 16 * (t0 + 1), N);
-    }
-  }
+  tokenmill_amx::rows_2x2(xs, b0, b1, w, two_n ? w + (K / 2) * 32 : nullptr, K,
+                          [&](const float* c, int live, int64_t b, int j) {
+                            amx_store(c, live, bias, out + 16 * b * N, N, 16 * (t0 + j), N);
+                          });
 }
 
 template <typename Out>
@@ -208,6 +184,17 @@ void amx_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
 }  // namespace
 
 bool bf16_linear_fast() { return kFast; }
+
+#if defined(__AVX512BF16__)
+void bf16_panel_vector(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t tiles, uint16_t* out,
+                       int64_t ldo) {
+  panel_vector(x, M, K, w, tiles, out, ldo);
+}
+void bf16_panel_vector(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t tiles, float* out,
+                       int64_t ldo) {
+  panel_vector(x, M, K, w, tiles, out, ldo);
+}
+#endif
 
 bool amx_tiles() {
 #if defined(TOKENMILL_AMX)

@@ -60,6 +60,9 @@
 // (tile_column: per group, tile products from zero, stored, then the same group_end fold); fewer
 // rows and float32 x keep the vector schedules. There the vector units' folds, not the tile
 // products, set the pace: about 0.6-0.9 of bf16_linear.cpp's tiles with many rows.
+// Calls of dequant_rows_limit() = 24 rows or more with bfloat16 x, on every host with the fast
+// path: the weights dequantized to bfloat16 once per call and bf16_linear.cpp's GEMM over them
+// (tiles_dequant, below: other sums, those of the bfloat16 copy of the dequantized weights).
 // Hosts with AVX-512 VNNI, bfloat16 x, calls of 1-4 rows (M < kFixedRows = 5: decode steps of up
 // to 4 sequences): integer products instead of both (strip_rows_fixed), x in 16-bit fixed point per
 // group, codes widened to int16, two vpdpwssd per 64 codes where vdpbf16ps needs two per 64 plus a
@@ -110,6 +113,16 @@ static_assert(sizeof(Bf16InFloat) == sizeof(float));
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 inline float to_float(at::Half v) { return static_cast<float>(v); }
+
+// A row-count line from the environment variable `name` (a whole number >= 0), else fallback.
+int64_t rows_from_env(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  TORCH_CHECK(end && *end == '\0' && n >= 0, name, " must be a whole number >= 0, got '", v, "'");
+  return static_cast<int64_t>(n);
+}
 
 // What every tile task reads.
 template <typename S>
@@ -328,13 +341,14 @@ inline void store_out(T* y, __m512 v) {
   store16(y, v, static_cast<__mmask16>(0xffff));
 }
 
-// Rounded as store16 rounds to bfloat16, then widened back.
+// Rounded to bfloat16, nearest even (vcvtneps2bf16: store16's rounding for finite values, in one
+// instruction), then stored as bfloat16 or widened back.
+inline void store_out(c10::BFloat16* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+}
 inline void store_out(Bf16InFloat* y, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  _mm512_storeu_ps(reinterpret_cast<float*>(y),
-                   _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))));
+  const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+  _mm512_storeu_ps(reinterpret_cast<float*>(y), _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
 }
 
 // Few rows: rows m0 .. m0 + MB - 1 of x times tiles t0 .. t0 + NT - 1, each chunk unpacked once
@@ -630,14 +644,7 @@ void tiles_fixed(const Problem<S>& p, const FixedX& fx, int64_t t_begin, int64_t
 
 // kFixedRows, or TOKENMILL_FIXED_ROWS (read once: 0 turns the fixed-point products off).
 int64_t fixed_rows_limit() {
-  static const int64_t limit = [] {
-    const char* v = std::getenv("TOKENMILL_FIXED_ROWS");
-    if (!v || !*v) return kFixedRows;
-    char* end = nullptr;
-    const long long n = std::strtoll(v, &end, 10);
-    TORCH_CHECK(end && *end == '\0' && n >= 0, "TOKENMILL_FIXED_ROWS must be a whole number >= 0, got '", v, "'");
-    return static_cast<int64_t>(n);
-  }();
+  static const int64_t limit = rows_from_env("TOKENMILL_FIXED_ROWS", kFixedRows);
   return limit;
 }
 
@@ -921,14 +928,137 @@ void tiles_amx(const Problem<S>& p, const tokenmill_amx::RowTiles& xs, int64_t t
   for (; t < t_end; ++t) strip_tiles<1>(p, unpack, xs, depth, t, wp, sp, y);
   _tile_release();
 }
+
+#endif  // TOKENMILL_AMX
+
+// Many rows (calls of dequant_rows_limit() rows or more, bfloat16 x, K a multiple of 32, fastest
+// path): each thread turns panels of its output tiles into bfloat16 weights once per call and runs
+// the bfloat16 GEMM over them, bf16_linear.cpp's own schedule (AMX: tokenmill_amx::rows_2x2; else
+// bf16_panel_vector). A weight is
+//   w = bfloat16(fma(code, scale, min))   (scales alone: (code - o) * scale; Tinygemm: fma(q - 8, scale, zero))
+// rounded to nearest even: the file's float32 dequantization, rounded as a bfloat16 copy of the
+// dequantized model holds it, so a row's result is bit for bit bf16_packed_linear's over that copy
+// (on the same host, same number of rows' schedule). It is not the group-by-group sum of the other
+// schedules: the weights lose their bits past bfloat16's 8 (relative 2^-9 at most, the rounding
+// bfloat16 x already has), and the call pays one pass over the weights (about 15 G weights/s on 2
+// cores), 1 / M of the products' work per weight. It replaces the group ends' folds, which held
+// the tile schedule to 0.6-0.9 of bf16_linear.cpp's speed and the vector one to at most 16 / 18.
+// From how many rows it pays (2 threads, SmolLM2 and Gemma 3 shapes, Q4_1-style codes hot, the
+// best of two runs): on AMX against tile_column, 16 rows 1.05-1.11x the time, 24 rows 0.94-1.05x,
+// 32 rows 0.85-0.95x; on vectors (TOKENMILL_AMX=0) against the many-rows schedule, 16 rows
+// 0.99-1.07x, 24 rows 0.93-1.00x, 32 rows 0.92-0.95x; hence 24 for both.
+constexpr int64_t kDequantRows = 24;
+constexpr int64_t kPanelBytes = 512 * 1024;  // bfloat16 weights per panel: beside a row chunk of x in L2
+constexpr int64_t kChunkBlocks = 8;          // AMX row tiles per chunk (128 rows), as bf16_linear.cpp
+
+// kDequantRows, or TOKENMILL_DEQUANT_ROWS (read once: 0 turns the path off).
+int64_t dequant_rows_limit() {
+  static const int64_t limit = rows_from_env("TOKENMILL_DEQUANT_ROWS", kDequantRows);
+  return limit;
+}
+
+// Whether a call takes tiles_dequant (run) and so needs no group sums of x (run_x).
+inline bool dequant_applies(bool generic, bool tiles_ok, bool bf16_x, int64_t M, int64_t K) {
+  const int64_t rows = dequant_rows_limit();
+  return !generic && tiles_ok && bf16_x && rows && M >= rows && K % 32 == 0;
+}
+
+// Output tile t as bfloat16 weights in bf16_pack's layout ([K / 2][16][2]) at w.
+template <int Bits, typename S>
+void dequant_tile(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t, uint16_t* w) {
+  constexpr int P = Unpack<Bits>::kPairs;
+  const int64_t chunks_per_group = p.gs / (2 * P);
+  const uint8_t* wt = p.w + t * tile_rows(p.K, p.bits) * 32;
+  const S* szt = p.sz + t * p.G * p.zs;
+  const __m512 o = _mm512_set1_ps(p.shift_min ? static_cast<float>(code_offset(p.bits)) : 0.f);
+  // word 2r + j of a chunk's vector is row r: words 0..15 (rows 0..7) widen to the low vector
+  const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_rows = _mm512_add_epi32(lo_rows, _mm512_set1_epi32(8));
+  auto widen = [](__m256i words) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+  };
+  for (int64_t g = 0; g < p.G; ++g) {
+    const __m512 scale = load16(szt + g * p.zs);
+    const __m512 s_lo = _mm512_permutexvar_ps(lo_rows, scale), s_hi = _mm512_permutexvar_ps(hi_rows, scale);
+    __m512 m_lo = _mm512_setzero_ps(), m_hi = m_lo;
+    if (p.zs == 32) {
+      const __m512 mn = load16(szt + g * p.zs + 16);
+      m_lo = _mm512_permutexvar_ps(lo_rows, mn), m_hi = _mm512_permutexvar_ps(hi_rows, mn);
+    }
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      __m512bh v[P];
+      unpack(wt, c, v);
+#pragma GCC unroll 2
+      for (int i = 0; i < P; ++i) {
+        const __m512i vi = (__m512i)v[i];
+        const __m512 lo = widen(_mm512_castsi512_si256(vi)), hi = widen(_mm512_extracti64x4_epi64(vi, 1));
+        __m512 w_lo, w_hi;
+        if (p.zs == 32) {  // code = c + o exactly; one rounding of code * scale + min
+          w_lo = _mm512_fmadd_ps(_mm512_add_ps(lo, o), s_lo, m_lo);
+          w_hi = _mm512_fmadd_ps(_mm512_add_ps(hi, o), s_hi, m_hi);
+        } else {
+          w_lo = _mm512_mul_ps(lo, s_lo);
+          w_hi = _mm512_mul_ps(hi, s_hi);
+        }
+        _mm512_store_si512(w + (c * P + i) * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+      }
+    }
+  }
+}
+
+// Pairs of output tiles [q_begin, q_end) (one thread's share; the last pair of an odd count has
+// one tile). xs: x's row tiles where the products run on AMX tiles, else nullptr.
+template <int Bits, typename T, typename S>
+void tiles_dequant(const Problem<S>& p, [[maybe_unused]] const void* xs, int64_t q_begin, int64_t q_end, T* y) {
+  const Unpack<Bits> unpack;
+  const int64_t tiles = p.N / 16, tile_words = p.K / 2 * 32;
+  const int64_t panel_pairs = std::max<int64_t>(1, kPanelBytes / (2 * tile_words * 2));
+  // kept by the thread between calls: a fresh allocation of this size is fresh pages, a fault each
+  thread_local std::vector<uint16_t> buffer;
+  const size_t words = static_cast<size_t>(std::min(panel_pairs, q_end - q_begin) * 2 * tile_words) + 32;
+  if (buffer.size() < words) buffer.resize(words);
+  auto* w = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+#if defined(TOKENMILL_AMX)
+  const auto* rows = static_cast<const tokenmill_amx::RowTiles*>(xs);
+  if (rows) tokenmill_amx::configure(32, rows->tile_rows());
 #endif
+  for (int64_t q0 = q_begin; q0 < q_end; q0 += panel_pairs) {
+    const int64_t q1 = std::min(q0 + panel_pairs, q_end), t_first = 2 * q0, t_last = std::min(2 * q1, tiles);
+    for (int64_t t = t_first; t < t_last; ++t) dequant_tile(p, unpack, t, w + (t - t_first) * tile_words);
+#if defined(TOKENMILL_AMX)
+    if (rows) {
+      for (int64_t b0 = 0; b0 < rows->blocks(); b0 += kChunkBlocks)
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t t0 = 2 * q;
+          const uint16_t* w0 = w + (t0 - t_first) * tile_words;
+          tokenmill_amx::rows_2x2(*rows, b0, std::min(b0 + kChunkBlocks, rows->blocks()), w0,
+                                  t0 + 1 < tiles ? w0 + tile_words : nullptr, p.K,
+                                  [&](const float* c, int live, int64_t b, int j) {
+                                    T* o = y + 16 * b * p.N + (t0 + j) * 16;
+                                    for (int r = 0; r < live; ++r) store_out(o + r * p.N, _mm512_load_ps(c + 16 * r));
+                                  });
+        }
+      continue;
+    }
+#endif
+    // c10::BFloat16 and Bf16InFloat: bfloat16 bits and float32 holding bfloat16 values, as bf16_linear.cpp stores them
+    using Out = std::conditional_t<std::is_same_v<T, c10::BFloat16>, uint16_t, float>;
+    bf16_panel_vector(p.xh, p.M, p.K, w, t_last - t_first, reinterpret_cast<Out*>(y + 16 * t_first), p.N);
+  }
+#if defined(TOKENMILL_AMX)
+  if (rows) _tile_release();
+#endif
+}
 #else
 constexpr bool kFast = false;
+inline int64_t dequant_rows_limit() { return 0; }
+inline bool dequant_applies(bool, bool, bool, int64_t, int64_t) { return false; }
 constexpr bool kFixedPoint = false;
 constexpr int64_t kFixedRows = 0;
 inline int64_t fixed_rows_limit() { return 0; }
 inline bool fixed_applies(bool, bool, bool, int64_t, int64_t, int, bool) { return false; }
 #endif
+
 
 // Bfloat16 scales come only from int4_weight_linear, at bits 4 (tinygemm's layout).
 template <typename S>
@@ -1006,6 +1136,23 @@ void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
     }
   }
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  // bfloat16 x, many rows: the bfloat16 GEMM over weights dequantized once per call
+  if constexpr (bf16_out) {
+    if (dequant_applies(generic, tiles_ok, !p.xl, p.M, p.K)) {
+      const void* xs = nullptr;
+#if defined(TOKENMILL_AMX)
+      std::vector<uint16_t> tail;
+      tokenmill_amx::RowTiles rows{};
+      if (tokenmill_amx::usable()) rows = tokenmill_amx::row_tiles(p.xh, p.M, p.K, tail), xs = &rows;
+#endif
+      at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+        with_bits<S>(p.bits, [&](auto bits) { tiles_dequant<decltype(bits)::value>(p, xs, begin, end, y); });
+      });
+      return;
+    }
+  }
+#endif
 #if defined(TOKENMILL_AMX)
   // bfloat16 x from kMinRows rows (a row's sums then do not depend on the other rows of such a
   // call); float32 x keeps the vector schedules (its two products per pair).
@@ -1051,8 +1198,9 @@ at::Tensor run_x(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   auto y = at::empty({M, N}, out_float32 ? x.options().dtype(at::kFloat) : x.options());
   if (M == 0 || N == 0) return y;
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
-  PreparedX px;  // the fixed-point products prepare x themselves (fixed_x)
-  if (fixed_applies(generic, tiles_ok, bf16_x, M, gs, bits, shift_min))
+  PreparedX px;  // the fixed-point products prepare x themselves (fixed_x); dequantized weights need no sums
+  if (fixed_applies(generic, tiles_ok, bf16_x, M, gs, bits, shift_min) ||
+      dequant_applies(generic, tiles_ok, bf16_x, M, K))
     px.h = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   else
     px = prepare_x(x, gs, generic);
@@ -1075,6 +1223,8 @@ at::Tensor run_x(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
 bool group_linear_fast() { return kFast; }
 
 int64_t fixed_point_rows() { return kFixedPoint ? fixed_rows_limit() : 0; }
+
+int64_t dequant_rows() { return dequant_rows_limit(); }
 
 at::Tensor grouped_codes_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
                                    int64_t group_size, int64_t bits, bool shift_min, bool out_float32,

@@ -72,6 +72,10 @@ bool group_linear_fast();
 // bfloat16 calls of fewer rows than this run grouped codes on integer products, x in 16-bit fixed
 // point per group (0: never, on this build)
 int64_t fixed_point_rows();
+// From how many rows a bfloat16 call of group_weight_linear / int4_weight_linear runs the bfloat16
+// GEMM over its weights dequantized to bfloat16 once per call (0: never, on this build or by
+// TOKENMILL_DEQUANT_ROWS=0: the group-by-group sums at every row count).
+int64_t dequant_rows();
 // out_float32 with bfloat16 x: the outputs rounded to bfloat16 as usual, stored as float32 (logits
 // read as float32, without a conversion pass over them).
 at::Tensor group_weight_linear(at::Tensor x, at::Tensor packed, at::Tensor sz, int64_t group_size,
@@ -85,6 +89,13 @@ at::Tensor grouped_codes_linear(const at::Tensor& x, const at::Tensor& packed, c
 // bf16_linear.cpp
 bool bf16_linear_fast();
 at::Tensor bf16_pack(at::Tensor weight);
+// C++ only: bf16_packed_linear's vector schedule on the calling thread, over `tiles` output tiles
+// in bf16_pack's layout at w, into out (row stride ldo; bfloat16 bits, or float32 holding the
+// bfloat16-rounded values), no bias: the same bits as bf16_packed_linear's vector path.
+void bf16_panel_vector(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t tiles, uint16_t* out,
+                       int64_t ldo);
+void bf16_panel_vector(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t tiles, float* out,
+                       int64_t ldo);
 // out_float32: the outputs rounded to bfloat16 as usual, stored as float32.
 at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, int64_t N, at::Tensor bias,
                                  bool out_float32 = false, KernelPath path = KernelPath::Fastest);

@@ -27,7 +27,8 @@ Shapes: SmolLM2-135M's fused qkv (576 -> 1536 rounded), gate_up (576 -> 3072) an
 576); Gemma-3-270M-like 640 -> 2048, 2048 -> 640, 1024 -> 640. Weights hot (every kernel's weights
 in cache as far as they fit: the same call repeated), --threads threads, each figure the median of
 repeated timings, the kernels interleaved round by round so that machine noise hits all alike.
-GFLOP/s = 2 M N K / time. Prints a table and writes JSON (bench/results/quantized_linear.json).
+GFLOP/s = 2 M N K / time; "x bf16" is the median over rounds of bf16's time / the kernel's in the
+same round. Prints a table and writes JSON (bench/results/quantized_linear.json).
 """
 
 from __future__ import annotations
@@ -83,8 +84,11 @@ def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
     }
 
 
-def measure(fns: dict, x: torch.Tensor, budget: float, min_rounds: int = 5, max_rounds: int = 2000) -> dict:
-    """Median seconds per call of each fn, interleaved round by round for about ``budget`` s."""
+def measure(fns: dict, x: torch.Tensor, budget: float, min_rounds: int = 5,
+            max_rounds: int = 2000) -> tuple[dict, dict]:
+    """Median seconds per call of each fn, interleaved round by round for about ``budget`` s, and
+    each fn's speed against bf16 as the median over rounds of the round's bf16 time / its time
+    (paired within a round: what machine noise moves between rounds cancels)."""
     for f in fns.values():  # warm: weights into cache, allocations settled
         f(x), f(x)
     times = {name: [] for name in fns}
@@ -97,7 +101,9 @@ def measure(fns: dict, x: torch.Tensor, budget: float, min_rounds: int = 5, max_
         rounds = len(times["bf16"])
         if rounds >= max_rounds or (rounds >= min_rounds and time.perf_counter() - start > budget):
             break
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    paired = {name: statistics.median(b / t for b, t in zip(times["bf16"], ts)) for name, ts in times.items()}
+    return medians, paired
 
 
 def main() -> None:
@@ -107,15 +113,18 @@ def main() -> None:
     parser.add_argument("--mins", choices=["asymmetric", "symmetric"], default="asymmetric")
     parser.add_argument("--group-size", type=int, default=32, choices=[16, 32, 64])
     parser.add_argument("--budget", type=float, default=1.5, help="seconds of timing per (shape, rows)")
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS[1:], default=KERNELS[1:],
+                        help="which kernels to time beside bf16 (default: all)")
     parser.add_argument("--out", type=Path, default=RESULTS / "quantized_linear.json")
     args = parser.parse_args()
+    kernels = ["bf16", *args.kernels]
     ops = dispatch.cpu_ops()
     if ops is None or not ops.bf16_linear_fast() or not ops.group_linear_fast():
         raise SystemExit("needs tokenmill's CPU kernels with their AVX-512 BF16 paths")
     torch.set_num_threads(args.threads)
     rows = []
     header = (f"{'shape':<16} {'K':>5} {'N':>5} {'M':>5} | {'bf16 ms':>8} {'GF/s':>6} | "
-              + " | ".join(f"{k + ' ms':>10} {'GF/s':>5} {'x bf16':>6}" for k in KERNELS[1:]))
+              + " | ".join(f"{k + ' ms':>10} {'GF/s':>5} {'x bf16':>6}" for k in kernels[1:]))
     amx = ops.amx_tiles()
     tiles = f"AMX tiles from {ops.amx_min_rows()} rows (TOKENMILL_AMX=0: none)" if amx else "no AMX tiles"
     fixed = ops.fixed_point_rows()
@@ -129,17 +138,18 @@ def main() -> None:
     print("-" * len(header))
     start = time.perf_counter()
     for i, (name, k, n) in enumerate(SHAPES):
-        fns = weights(n, k, args.group_size, args.mins == "symmetric", seed=i)
+        fns = {name: fn for name, fn in weights(n, k, args.group_size, args.mins == "symmetric", seed=i).items()
+               if name in kernels}
         for m in args.rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-            t = measure(fns, x, args.budget)
+            t, ratio = measure(fns, x, args.budget)
             flop = 2 * m * n * k
-            for kernel in KERNELS:
+            for kernel in kernels:
                 rows.append({"shape": name, "K": k, "N": n, "M": m, "kernel": kernel, "ms": t[kernel] * 1e3,
-                             "gflops": flop / t[kernel] / 1e9, "ratio_to_bf16": t["bf16"] / t[kernel]})
+                             "gflops": flop / t[kernel] / 1e9, "ratio_to_bf16": ratio[kernel]})
             print(f"{name:<16} {k:>5} {n:>5} {m:>5} | {t['bf16'] * 1e3:>8.3f} {flop / t['bf16'] / 1e9:>6.0f} | "
-                  + " | ".join(f"{t[kn] * 1e3:>10.3f} {flop / t[kn] / 1e9:>5.0f} {t['bf16'] / t[kn]:>6.2f}"
-                               for kn in KERNELS[1:]), flush=True)
+                  + " | ".join(f"{t[kn] * 1e3:>10.3f} {flop / t[kn] / 1e9:>5.0f} {ratio[kn]:>6.2f}"
+                               for kn in kernels[1:]), flush=True)
     elapsed = time.perf_counter() - start
     result = {"threads": args.threads, "group_size": args.group_size, "mins": args.mins, "x_dtype": "bfloat16",
               "amx_tiles": amx, "amx_min_rows": ops.amx_min_rows(), "fixed_point_rows": fixed,

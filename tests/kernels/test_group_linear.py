@@ -458,6 +458,19 @@ def test_many_rows_are_the_bfloat16_gemm_over_the_dequantized_weights(bits, symm
         _check(want, x.double() @ w.double().T, torch.bfloat16)
 
 
+@pytest.mark.parametrize("m,k,n", [(2100, 256, 1040), (600, 1024, 272), (24, 512, 20480), (300, 2048, 2080)])
+def test_many_rows_past_l2_go_in_row_chunks_and_weight_panels(m, k, n):
+    """x past L2's share (over 1 MB): rows in chunks of 128 over the panel's tile pairs; a thread's
+    weights past 8 MB (the last two): panels of a few tile pairs, one after another; a short last
+    row tile: still bf16_packed_linear's bits."""
+    codes, scale, mins = _gguf_like(n, k, 4, False, seed=m)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, 4)
+    w = (codes.float() * scale.repeat_interleave(32, 1) + mins.repeat_interleave(32, 1)).bfloat16()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert torch.equal(ops.group_weight_linear(x, packed, sz, 32, 4),
+                       ops.bf16_packed_linear(x, ops.bf16_pack(w), n, torch.empty(0)))
+
+
 def test_int4_many_rows_are_the_bfloat16_gemm_over_its_weights():
     """int4_weight_linear's w = (q - 8) * scale + zero (bfloat16 scales), dequantized the same way."""
     n, k = 48, 256

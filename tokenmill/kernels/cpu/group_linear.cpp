@@ -963,91 +963,156 @@ inline bool dequant_applies(bool generic, bool tiles_ok, bool bf16_x, int64_t M,
   return !generic && tiles_ok && bf16_x && rows && M >= rows && K % 32 == 0;
 }
 
-// Output tile t as bfloat16 weights in bf16_pack's layout ([K / 2][16][2]) at w.
-template <int Bits, typename S>
-void dequant_tile(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t, uint16_t* w) {
-  constexpr int P = Unpack<Bits>::kPairs;
+// One 32-byte chunk of codes as float32, unshifted (0 .. 2^bits - 1): for each of its kPairs k
+// pairs, words 0..15 (rows 0..7) in lo and 16..31 (rows 8..15) in hi. Straight from the bytes, not
+// through Unpack's bfloat16: what dequantizing needs.
+template <int Bits>
+struct CodeFloats {
+  static constexpr int kPairs = Unpack<Bits>::kPairs;
+  inline void operator()(const uint8_t* tile, int64_t c, __m512* lo, __m512* hi) const {
+    const uint8_t* chunk = Bits == 5 ? chunk_at(tile, c, 5) : tile + c * 32;
+    const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+    const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16)));
+    if constexpr (Bits == 4 || Bits == 5) {
+      const __m512i nibble = _mm512_set1_epi32(15);
+      __m512i l0 = _mm512_and_si512(b0, nibble), h0 = _mm512_and_si512(b1, nibble);
+      __m512i l1 = _mm512_srli_epi32(b0, 4), h1 = _mm512_srli_epi32(b1, 4);
+      if constexpr (Bits == 5) {  // bit 4 of word w of k pair 2c + i: bit w of fifth_bits(i)
+        const uint32_t f0 = fifth_bits(tile, c, 0), f1 = fifth_bits(tile, c, 1);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        l0 = _mm512_mask_or_epi32(l0, static_cast<__mmask16>(f0), l0, sixteen);
+        h0 = _mm512_mask_or_epi32(h0, static_cast<__mmask16>(f0 >> 16), h0, sixteen);
+        l1 = _mm512_mask_or_epi32(l1, static_cast<__mmask16>(f1), l1, sixteen);
+        h1 = _mm512_mask_or_epi32(h1, static_cast<__mmask16>(f1 >> 16), h1, sixteen);
+      }
+      lo[0] = _mm512_cvtepi32_ps(l0), hi[0] = _mm512_cvtepi32_ps(h0);
+      lo[1] = _mm512_cvtepi32_ps(l1), hi[1] = _mm512_cvtepi32_ps(h1);
+    } else {
+      lo[0] = _mm512_cvtepi32_ps(b0), hi[0] = _mm512_cvtepi32_ps(b1);
+    }
+  }
+};
+
+// How a tile's weights come from its float codes: fma(code, scale, min) (Grouped, mins stored);
+// fma(code - o, scale, mn) (Tinygemm: (q - 8) * scale + zero); (code - o) * scale (scales alone).
+enum class Dequant { kMin, kShiftedMin, kScaleAlone };
+
+// Group g of a tile (its codes wt, its sz szt) as bfloat16 weights in bf16_pack's layout at w
+// (the tile's first word): gs / 2 k pairs of 32 words.
+template <Dequant D, int Bits, typename S>
+void dequant_group(const Problem<S>& p, const uint8_t* wt, const S* szt, int64_t g, uint16_t* w) {
+  const CodeFloats<Bits> codes;
+  constexpr int P = CodeFloats<Bits>::kPairs;
   const int64_t chunks_per_group = p.gs / (2 * P);
-  const uint8_t* wt = p.w + t * tile_rows(p.K, p.bits) * 32;
-  const S* szt = p.sz + t * p.G * p.zs;
-  const __m512 o = _mm512_set1_ps(p.shift_min ? static_cast<float>(code_offset(p.bits)) : 0.f);
-  // word 2r + j of a chunk's vector is row r: words 0..15 (rows 0..7) widen to the low vector
+  const __m512 o = _mm512_set1_ps(static_cast<float>(code_offset(p.bits)));
+  // word 2r + j of a k pair is row r: words 0..15 (rows 0..7) are the lo lanes
   const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i hi_rows = _mm512_add_epi32(lo_rows, _mm512_set1_epi32(8));
-  auto widen = [](__m256i words) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
-  };
-  for (int64_t g = 0; g < p.G; ++g) {
-    const __m512 scale = load16(szt + g * p.zs);
-    const __m512 s_lo = _mm512_permutexvar_ps(lo_rows, scale), s_hi = _mm512_permutexvar_ps(hi_rows, scale);
-    __m512 m_lo = _mm512_setzero_ps(), m_hi = m_lo;
-    if (p.zs == 32) {
-      const __m512 mn = load16(szt + g * p.zs + 16);
-      m_lo = _mm512_permutexvar_ps(lo_rows, mn), m_hi = _mm512_permutexvar_ps(hi_rows, mn);
-    }
-    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      __m512bh v[P];
-      unpack(wt, c, v);
+  const __m512 scale = load16(szt + g * p.zs);
+  const __m512 s_lo = _mm512_permutexvar_ps(lo_rows, scale), s_hi = _mm512_permutexvar_ps(hi_rows, scale);
+  __m512 m_lo = _mm512_setzero_ps(), m_hi = m_lo;
+  if constexpr (D != Dequant::kScaleAlone) {
+    const __m512 mn = load16(szt + g * p.zs + 16);
+    m_lo = _mm512_permutexvar_ps(lo_rows, mn), m_hi = _mm512_permutexvar_ps(hi_rows, mn);
+  }
+  for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+    __m512 lo[P], hi[P];
+    codes(wt, c, lo, hi);
 #pragma GCC unroll 2
-      for (int i = 0; i < P; ++i) {
-        const __m512i vi = (__m512i)v[i];
-        const __m512 lo = widen(_mm512_castsi512_si256(vi)), hi = widen(_mm512_extracti64x4_epi64(vi, 1));
-        __m512 w_lo, w_hi;
-        if (p.zs == 32) {  // code = c + o exactly; one rounding of code * scale + min
-          w_lo = _mm512_fmadd_ps(_mm512_add_ps(lo, o), s_lo, m_lo);
-          w_hi = _mm512_fmadd_ps(_mm512_add_ps(hi, o), s_hi, m_hi);
-        } else {
-          w_lo = _mm512_mul_ps(lo, s_lo);
-          w_hi = _mm512_mul_ps(hi, s_hi);
-        }
-        _mm512_store_si512(w + (c * P + i) * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    for (int i = 0; i < P; ++i) {
+      if constexpr (D != Dequant::kMin) lo[i] = _mm512_sub_ps(lo[i], o), hi[i] = _mm512_sub_ps(hi[i], o);
+      __m512 w_lo, w_hi;  // one rounding each: the products are exact
+      if constexpr (D == Dequant::kScaleAlone) {
+        w_lo = _mm512_mul_ps(lo[i], s_lo), w_hi = _mm512_mul_ps(hi[i], s_hi);
+      } else {
+        w_lo = _mm512_fmadd_ps(lo[i], s_lo, m_lo), w_hi = _mm512_fmadd_ps(hi[i], s_hi, m_hi);
       }
+      _mm512_store_si512(w + (c * P + i) * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
     }
   }
 }
+
+// Tiles [t_first, t_first + count) as bfloat16 weights, tile i at w + i * K / 2 * 32.
+template <int Bits, typename S>
+void dequant_tiles(const Problem<S>& p, int64_t t_first, int64_t count, uint16_t* w) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t t = t_first + i;
+    const uint8_t* wt = p.w + t * tile_rows(p.K, p.bits) * 32;
+    const S* szt = p.sz + t * p.G * p.zs;
+    uint16_t* wi = w + i * (p.K / 2) * 32;
+    for (int64_t g = 0; g < p.G; ++g) {
+      if (p.zs == 16) dequant_group<Dequant::kScaleAlone, Bits>(p, wt, szt, g, wi);
+      else if (p.shift_min) dequant_group<Dequant::kMin, Bits>(p, wt, szt, g, wi);
+      else dequant_group<Dequant::kShiftedMin, Bits>(p, wt, szt, g, wi);
+    }
+  }
+}
+
+// The bfloat16 weight buffer of the calling thread, at least `words` long, 64-byte aligned: kept
+// between calls (a fresh allocation of this size is fresh pages, a fault each).
+inline uint16_t* thread_weights(size_t words) {
+  thread_local std::vector<uint16_t> buffer;
+  if (buffer.size() < words + 32) buffer.resize(words + 32);
+  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+}
+
+#if defined(TOKENMILL_AMX)
+// x of up to this many bytes stays in L2 beside the weights: every row at once; more: rows in
+// chunks of 128 (kChunkBlocks row tiles), each chunk over all of the panel's tile pairs.
+constexpr int64_t kRowsInL2 = 1 << 20;
+// A thread's tile pairs are dequantized as one panel (in L2 or L3, read again per row chunk, as
+// bf16_linear.cpp reads its packed weights) up to this many bytes; more (an LM head): panels of
+// kPanelBytes. (Making the next pair's weights between the tile products of this one, vector
+// units and tile unit at once, measured no faster on the AMX host: 0.97-1.05x either way.)
+constexpr int64_t kThreadWeightBytes = 8 << 20;
+
+template <int Bits, typename T, typename S>
+void tiles_dequant_amx(const Problem<S>& p, const tokenmill_amx::RowTiles& rows, int64_t q_begin, int64_t q_end,
+                       T* y) {
+  const int64_t tiles = p.N / 16, tile_words = p.K / 2 * 32, pair_words = 2 * tile_words, blocks = rows.blocks();
+  const int64_t chunk_blocks = p.M * p.K * 2 <= kRowsInL2 ? blocks : kChunkBlocks;
+  const int64_t panel_pairs = (q_end - q_begin) * pair_words * 2 <= kThreadWeightBytes
+                                  ? q_end - q_begin
+                                  : std::max<int64_t>(1, kPanelBytes / (pair_words * 2));
+  uint16_t* w = thread_weights(static_cast<size_t>(std::min(panel_pairs, q_end - q_begin) * pair_words));
+  tokenmill_amx::configure(32, rows.tile_rows());
+  for (int64_t q0 = q_begin; q0 < q_end; q0 += panel_pairs) {
+    const int64_t q1 = std::min(q0 + panel_pairs, q_end);
+    dequant_tiles<Bits>(p, 2 * q0, std::min(2 * q1, tiles) - 2 * q0, w);
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks)
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t t0 = 2 * q;
+        const uint16_t* w0 = w + (q - q0) * pair_words;
+        tokenmill_amx::rows_2x2(rows, b0, std::min(b0 + chunk_blocks, blocks), w0,
+                                t0 + 1 < tiles ? w0 + tile_words : nullptr, p.K,
+                                [&](const float* c, int live, int64_t b, int j) {
+                                  T* o = y + 16 * b * p.N + (t0 + j) * 16;
+                                  for (int r = 0; r < live; ++r) store_out(o + r * p.N, _mm512_load_ps(c + 16 * r));
+                                });
+      }
+  }
+  _tile_release();
+}
+#endif
 
 // Pairs of output tiles [q_begin, q_end) (one thread's share; the last pair of an odd count has
 // one tile). xs: x's row tiles where the products run on AMX tiles, else nullptr.
 template <int Bits, typename T, typename S>
 void tiles_dequant(const Problem<S>& p, [[maybe_unused]] const void* xs, int64_t q_begin, int64_t q_end, T* y) {
-  const Unpack<Bits> unpack;
+#if defined(TOKENMILL_AMX)
+  if (xs) return tiles_dequant_amx<Bits>(p, *static_cast<const tokenmill_amx::RowTiles*>(xs), q_begin, q_end, y);
+#endif
+  // vectors: panels of kPanelBytes, each then through the vector GEMM
   const int64_t tiles = p.N / 16, tile_words = p.K / 2 * 32;
   const int64_t panel_pairs = std::max<int64_t>(1, kPanelBytes / (2 * tile_words * 2));
-  // kept by the thread between calls: a fresh allocation of this size is fresh pages, a fault each
-  thread_local std::vector<uint16_t> buffer;
-  const size_t words = static_cast<size_t>(std::min(panel_pairs, q_end - q_begin) * 2 * tile_words) + 32;
-  if (buffer.size() < words) buffer.resize(words);
-  auto* w = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-#if defined(TOKENMILL_AMX)
-  const auto* rows = static_cast<const tokenmill_amx::RowTiles*>(xs);
-  if (rows) tokenmill_amx::configure(32, rows->tile_rows());
-#endif
+  uint16_t* w = thread_weights(static_cast<size_t>(std::min(panel_pairs, q_end - q_begin) * 2 * tile_words));
   for (int64_t q0 = q_begin; q0 < q_end; q0 += panel_pairs) {
     const int64_t q1 = std::min(q0 + panel_pairs, q_end), t_first = 2 * q0, t_last = std::min(2 * q1, tiles);
-    for (int64_t t = t_first; t < t_last; ++t) dequant_tile(p, unpack, t, w + (t - t_first) * tile_words);
-#if defined(TOKENMILL_AMX)
-    if (rows) {
-      for (int64_t b0 = 0; b0 < rows->blocks(); b0 += kChunkBlocks)
-        for (int64_t q = q0; q < q1; ++q) {
-          const int64_t t0 = 2 * q;
-          const uint16_t* w0 = w + (t0 - t_first) * tile_words;
-          tokenmill_amx::rows_2x2(*rows, b0, std::min(b0 + kChunkBlocks, rows->blocks()), w0,
-                                  t0 + 1 < tiles ? w0 + tile_words : nullptr, p.K,
-                                  [&](const float* c, int live, int64_t b, int j) {
-                                    T* o = y + 16 * b * p.N + (t0 + j) * 16;
-                                    for (int r = 0; r < live; ++r) store_out(o + r * p.N, _mm512_load_ps(c + 16 * r));
-                                  });
-        }
-      continue;
-    }
-#endif
+    dequant_tiles<Bits>(p, t_first, t_last - t_first, w);
     // c10::BFloat16 and Bf16InFloat: bfloat16 bits and float32 holding bfloat16 values, as bf16_linear.cpp stores them
     using Out = std::conditional_t<std::is_same_v<T, c10::BFloat16>, uint16_t, float>;
     bf16_panel_vector(p.xh, p.M, p.K, w, t_last - t_first, reinterpret_cast<Out*>(y + 16 * t_first), p.N);
   }
-#if defined(TOKENMILL_AMX)
-  if (rows) _tile_release();
-#endif
 }
 #else
 constexpr bool kFast = false;

@@ -1,7 +1,7 @@
 """Offline throughput: tokenmill's continuous batching vs HF transformers ``generate`` with
 static batches of the same maximum batch size and dtype, on the same requests, in one run.
 
-    python bench/offline_throughput.py [--num-requests 256] [--max-batch 32] [--dtype float32]
+    python bench/offline_throughput.py [--num-requests 256] [--max-batch 32] [--dtype float32] [--hf-dtype D]
 
 Requests: random token prompts of 32-1024 tokens and outputs of 16-512 tokens (uniform, seeded),
 EOS ignored so both engines produce exactly the requested tokens. HF runs the requests in
@@ -99,12 +99,17 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32",
+                        help="tokenmill's dtype: float32, bfloat16, or auto (a GGUF's quantized weights as stored)")
+    parser.add_argument("--hf-dtype", default=None,
+                        help="HF transformers' dtype (default: --dtype; bfloat16 where --dtype is auto, since HF "
+                             "dequantizes GGUF weights)")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=(32, 1024))
     parser.add_argument("--output-range", type=int, nargs=2, default=(16, 512))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true")
     args = parser.parse_args()
+    hf_dtype = args.hf_dtype or ("bfloat16" if args.dtype == "auto" else args.dtype)
 
     llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_batch)
     requests = make_requests(args.num_requests, llm.model_config.vocab_size, args.seed,
@@ -112,7 +117,7 @@ def main() -> None:
     output_tokens = sum(out for _, out in requests)
     rows = []
     elapsed = run_tokenmill(llm, requests)
-    rows.append({"engine": "tokenmill", "seconds": elapsed, "output_tok_s": output_tokens / elapsed,
+    rows.append({"engine": "tokenmill", "dtype": args.dtype, "seconds": elapsed, "output_tok_s": output_tokens / elapsed,
                  "steps": step_breakdown(llm.engine.stats)})
     b = rows[0]["steps"]
     sys.path.insert(0, str(Path(__file__).parent / "peers"))
@@ -133,9 +138,9 @@ def main() -> None:
 
         source = resolve_model(args.model)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(source.path.parent), gguf_file=source.path.name, dtype=getattr(torch, args.dtype)).eval()
+            str(source.path.parent), gguf_file=source.path.name, dtype=getattr(torch, hf_dtype)).eval()
         elapsed = run_hf(hf, requests, args.max_batch, pad_id=0)
-        rows.append({"engine": "hf-transformers (static batches)", "seconds": elapsed,
+        rows.append({"engine": "hf-transformers (static batches)", "dtype": hf_dtype, "seconds": elapsed,
                      "output_tok_s": output_tokens / elapsed})
         print(f"hf-transformers  {output_tokens / elapsed:8.1f} output tok/s  ({elapsed:.1f} s)", flush=True)
         print(f"ratio tokenmill / hf: x{rows[0]['output_tok_s'] / rows[1]['output_tok_s']:.2f}")

@@ -45,6 +45,8 @@ int64_t amx_min_rows();
 namespace tokenmill_amx {
 
 constexpr int64_t kMinRows = 4;
+// Rows of x a GEMM over many rows takes at a time, so that they stay in L2 while weights pass.
+constexpr int64_t kChunkRows = 128;
 
 // ldtilecfg's 64-byte operand: palette 1, then per tile its bytes per row and its rows.
 struct alignas(64) TileConfig {

@@ -126,13 +126,16 @@ void run_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const
   }
 }
 
-// Every tile of a panel, NB chosen by rows as bf16_packed_linear chooses it.
+// Tiles at once for M rows: more for few rows, so that there are enough independent chains.
+constexpr int tiles_for(int64_t M) { return M <= 3 ? 8 : M <= 6 ? 4 : 2; }
+
+// run_tiles with NB = tiles_for(M).
 template <typename Out>
-void panel_vector(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t tiles, Out* out, int64_t ldo) {
-  // ldo as run_tiles' N: the columns of a panel end at least 16 before the row does, so its masks are full
-  if (M <= 3) run_tiles<8>(x, M, K, w, nullptr, out, ldo, 0, tiles);
-  else if (M <= 6) run_tiles<4>(x, M, K, w, nullptr, out, ldo, 0, tiles);
-  else run_tiles<2>(x, M, K, w, nullptr, out, ldo, 0, tiles);
+void run_tiles_for(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, Out* out, int64_t N,
+                   int64_t t_begin, int64_t t_end) {
+  if (tiles_for(M) == 8) run_tiles<8>(x, M, K, w, bias, out, N, t_begin, t_end);
+  else if (tiles_for(M) == 4) run_tiles<4>(x, M, K, w, bias, out, N, t_begin, t_end);
+  else run_tiles<2>(x, M, K, w, bias, out, N, t_begin, t_end);
 }
 #else
 constexpr bool kFast = false;
@@ -141,8 +144,8 @@ constexpr bool kFast = false;
 #if defined(TOKENMILL_AMX)
 // AMX: 32 rows x 32 channels at a time (tiles 0-3 accumulate over the whole of K, 4-5 hold two row
 // tiles of x, 6-7 two weight tiles read in place from the packed layout). Each thread takes pairs
-// of output tiles; rows go in chunks that stay in L2 while the thread's weight strips pass.
-constexpr int64_t kChunkRows = 128;
+// of output tiles; rows go in chunks (tokenmill_amx::kChunkRows) that stay in L2 while the
+// thread's weight strips pass.
 
 template <typename Out>
 void amx_store(const float* c, int live, const float* bias, Out* out, int64_t ldo, int64_t n, int64_t N) {
@@ -167,7 +170,7 @@ void amx_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
   const int64_t tiles = (N + 15) / 16, pairs = (tiles + 1) / 2;
   std::vector<uint16_t> tail;
   const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(x, M, K, tail);
-  constexpr int64_t chunk = kChunkRows / 16;
+  constexpr int64_t chunk = tokenmill_amx::kChunkRows / 16;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     tokenmill_amx::configure(32, xs.tile_rows());
     for (int64_t b0 = 0; b0 < xs.blocks(); b0 += chunk)
@@ -186,13 +189,14 @@ void amx_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
 bool bf16_linear_fast() { return kFast; }
 
 #if defined(__AVX512BF16__)
+// ldo as run_tiles' N: the columns of a panel end at least 16 before the row does, so its masks are full
 void bf16_panel_vector(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t tiles, uint16_t* out,
                        int64_t ldo) {
-  panel_vector(x, M, K, w, tiles, out, ldo);
+  run_tiles_for(x, M, K, w, nullptr, out, ldo, 0, tiles);
 }
 void bf16_panel_vector(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t tiles, float* out,
                        int64_t ldo) {
-  panel_vector(x, M, K, w, tiles, out, ldo);
+  run_tiles_for(x, M, K, w, nullptr, out, ldo, 0, tiles);
 }
 #endif
 
@@ -251,20 +255,10 @@ at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, int64_t N, at::Te
     return out;
   }
 #endif
-  auto go = [&](auto nb_tag) {
-    constexpr int NB = decltype(nb_tag)::value;
-    at::parallel_for(0, tiles, NB, [&](int64_t begin, int64_t end) {
-      if (out_float32) run_tiles<NB>(xp, M, K, wp, bp, out.data_ptr<float>(), N, begin, end);
-      else run_tiles<NB>(xp, M, K, wp, bp, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), N, begin, end);
-    });
-  };
-  if (M <= 3) {
-    go(std::integral_constant<int, 8>());
-  } else if (M <= 6) {
-    go(std::integral_constant<int, 4>());
-  } else {
-    go(std::integral_constant<int, 2>());
-  }
+  at::parallel_for(0, tiles, tiles_for(M), [&](int64_t begin, int64_t end) {
+    if (out_float32) run_tiles_for(xp, M, K, wp, bp, out.data_ptr<float>(), N, begin, end);
+    else run_tiles_for(xp, M, K, wp, bp, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), N, begin, end);
+  });
 #endif
   return out;
 }

@@ -55,7 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per group (0: none on this build); KernelPath.VECTOR keeps the bfloat16 products");
   m.def("dequant_rows", &dequant_rows,
         "grouped-code calls with bfloat16 x and at least this many rows run the bfloat16 GEMM over weights rounded to "
-        "bfloat16 once per call (AMX hosts; 0: none here); KernelPath.VECTOR keeps the group-by-group sums");
+        "bfloat16 once per call (every host with the AVX-512 BF16 path; 0: none); KernelPath.VECTOR keeps the "
+        "group-by-group sums");
   m.def("group_weight_linear", &group_weight_linear,
         "weight-only linear over grouped codes (w = code * scale + min, bits 4, 5, 7 or 8), any number of rows (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("sz"), py::arg("group_size"), py::arg("bits"), py::kw_only(),

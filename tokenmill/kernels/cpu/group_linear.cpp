@@ -949,7 +949,6 @@ void tiles_amx(const Problem<S>& p, const tokenmill_amx::RowTiles& xs, int64_t t
 // 0.99-1.07x, 24 rows 0.93-1.00x, 32 rows 0.92-0.95x; hence 24 for both.
 constexpr int64_t kDequantRows = 24;
 constexpr int64_t kPanelBytes = 512 * 1024;  // bfloat16 weights per panel: beside a row chunk of x in L2
-constexpr int64_t kChunkBlocks = 8;          // AMX row tiles per chunk (128 rows), as bf16_linear.cpp
 
 // kDequantRows, or TOKENMILL_DEQUANT_ROWS (read once: 0 turns the path off).
 int64_t dequant_rows_limit() {
@@ -1058,7 +1057,7 @@ inline uint16_t* thread_weights(size_t words) {
 
 #if defined(TOKENMILL_AMX)
 // x of up to this many bytes stays in L2 beside the weights: every row at once; more: rows in
-// chunks of 128 (kChunkBlocks row tiles), each chunk over all of the panel's tile pairs.
+// chunks of tokenmill_amx::kChunkRows, each chunk over all of the panel's tile pairs.
 constexpr int64_t kRowsInL2 = 1 << 20;
 // A thread's tile pairs are dequantized as one panel (in L2 or L3, read again per row chunk, as
 // bf16_linear.cpp reads its packed weights) up to this many bytes; more (an LM head): panels of
@@ -1070,7 +1069,7 @@ template <int Bits, typename T, typename S>
 void tiles_dequant_amx(const Problem<S>& p, const tokenmill_amx::RowTiles& rows, int64_t q_begin, int64_t q_end,
                        T* y) {
   const int64_t tiles = p.N / 16, tile_words = p.K / 2 * 32, pair_words = 2 * tile_words, blocks = rows.blocks();
-  const int64_t chunk_blocks = p.M * p.K * 2 <= kRowsInL2 ? blocks : kChunkBlocks;
+  const int64_t chunk_blocks = p.M * p.K * 2 <= kRowsInL2 ? blocks : tokenmill_amx::kChunkRows / 16;
   const int64_t panel_pairs = (q_end - q_begin) * pair_words * 2 <= kThreadWeightBytes
                                   ? q_end - q_begin
                                   : std::max<int64_t>(1, kPanelBytes / (pair_words * 2));

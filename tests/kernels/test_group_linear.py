@@ -458,6 +458,22 @@ def test_many_rows_are_the_bfloat16_gemm_over_the_dequantized_weights(bits, symm
         _check(want, x.double() @ w.double().T, torch.bfloat16)
 
 
+@pytest.mark.parametrize("group_size", [16, 64, 256])
+@pytest.mark.parametrize("bits", [4, 5, 7, 8])
+def test_many_rows_any_group_size(bits, group_size):
+    """Groups of 16 (Q6_K), 64 (tokenmill's int4 default) or a whole row (int8's one scale per
+    channel): the weights are made group by group, also when a pair's share is made between the
+    previous pair's products; still bf16_packed_linear's bits."""
+    n, k = 112, 256
+    codes, scale, mins = _weights(n, k, group_size, bits, seed=group_size)
+    packed, sz = qk.group_cpu_pack(codes, scale, mins, bits)
+    w = (codes.float() * scale.repeat_interleave(group_size, 1) + mins.repeat_interleave(group_size, 1)).bfloat16()
+    for m in (ops.dequant_rows(), 100):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        assert torch.equal(ops.group_weight_linear(x, packed, sz, group_size, bits),
+                           ops.bf16_packed_linear(x, ops.bf16_pack(w), n, torch.empty(0)))
+
+
 @pytest.mark.parametrize("m,k,n", [(2100, 256, 1040), (600, 1024, 272), (24, 512, 20480), (300, 2048, 2080)])
 def test_many_rows_past_l2_go_in_row_chunks_and_weight_panels(m, k, n):
     """x past L2's share (over 1 MB): rows in chunks of 128 over the panel's tile pairs; a thread's

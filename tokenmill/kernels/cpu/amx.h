@@ -118,10 +118,12 @@ inline RowTiles row_tiles(const uint16_t* x, int64_t M, int64_t K, std::vector<u
 // twice and each weight tile twice. Weight tile j (w0; w1 unless nullptr) is K / 2 rows of 64
 // bytes, bf16_pack's layout of one output tile. store(c, live, b, j) receives each finished block:
 // c the 16 x 16 float32 sums (64-byte aligned, row r at c + 16 r), live its real rows, b its row
-// tile, j its weight tile. The products of a row do not depend on the other rows.
-template <typename Store>
+// tile, j its weight tile. between() runs after each step's products: vector work there overlaps
+// the tile unit's (group_linear.cpp makes the next weights so). The products of a row do not
+// depend on the other rows.
+template <typename Store, typename Between>
 inline void rows_2x2(const RowTiles& xs, int64_t b0, int64_t b1, const uint16_t* w0, const uint16_t* w1, int64_t K,
-                     Store&& store) {
+                     Store&& store, Between&& between) {
   alignas(64) float c[4][256];
   const int64_t ldx = K * 2;
   for (int64_t b = b0; b < b1; b += 2) {
@@ -146,6 +148,7 @@ inline void rows_2x2(const RowTiles& xs, int64_t b0, int64_t b1, const uint16_t*
         _tile_dpbf16ps(2, 5, 6);
         if (w1) _tile_dpbf16ps(3, 5, 7);
       }
+      between();
     }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
@@ -156,6 +159,12 @@ inline void rows_2x2(const RowTiles& xs, int64_t b0, int64_t b1, const uint16_t*
       if (w1) store(c[2 * rt + 1], rt ? live1 : live0, b + rt, 1);
     }
   }
+}
+
+template <typename Store>
+inline void rows_2x2(const RowTiles& xs, int64_t b0, int64_t b1, const uint16_t* w0, const uint16_t* w1, int64_t K,
+                     Store&& store) {
+  rows_2x2(xs, b0, b1, w0, w1, K, store, [] {});
 }
 
 }  // namespace tokenmill_amx

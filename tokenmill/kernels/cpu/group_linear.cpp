@@ -941,12 +941,15 @@ void tiles_amx(const Problem<S>& p, const tokenmill_amx::RowTiles& xs, int64_t t
 // (on the same host, same number of rows' schedule). It is not the group-by-group sum of the other
 // schedules: the weights lose their bits past bfloat16's 8 (relative 2^-9 at most, the rounding
 // bfloat16 x already has), and the call pays one pass over the weights (about 15 G weights/s on 2
-// cores), 1 / M of the products' work per weight. It replaces the group ends' folds, which held
+// cores; on AMX hosts mostly beside the tile products), 1 / M of the products' work per weight. It replaces the group ends' folds, which held
 // the tile schedule to 0.6-0.9 of bf16_linear.cpp's speed and the vector one to at most 16 / 18.
 // From how many rows it pays (2 threads, SmolLM2 and Gemma 3 shapes, Q4_1-style codes hot, the
 // best of two runs): on AMX against tile_column, 16 rows 1.05-1.11x the time, 24 rows 0.94-1.05x,
 // 32 rows 0.85-0.95x; on vectors (TOKENMILL_AMX=0) against the many-rows schedule, 16 rows
-// 0.99-1.07x, 24 rows 0.93-1.00x, 32 rows 0.92-0.95x; hence 24 for both.
+// 0.99-1.07x, 24 rows 0.93-1.00x, 32 rows 0.92-0.95x; hence 24 for both. (With the pass overlapping
+// the tile products, tiles_dequant_amx, measured again: x bf16 at 16 rows 0.39-0.60 against
+// tile_column's 0.47-0.70, at 20 rows 0.55-0.73 against 0.46-0.80, at 32 rows 0.50-0.69 against
+// 0.37-0.73: the line stays.)
 constexpr int64_t kDequantRows = 24;
 constexpr int64_t kPanelBytes = 512 * 1024;  // bfloat16 weights per panel: beside a row chunk of x in L2
 
@@ -996,55 +999,90 @@ struct CodeFloats {
 // fma(code - o, scale, mn) (Tinygemm: (q - 8) * scale + zero); (code - o) * scale (scales alone).
 enum class Dequant { kMin, kShiftedMin, kScaleAlone };
 
-// Group g of a tile (its codes wt, its sz szt) as bfloat16 weights in bf16_pack's layout at w
-// (the tile's first word): gs / 2 k pairs of 32 words.
-template <Dequant D, int Bits, typename S>
-void dequant_group(const Problem<S>& p, const uint8_t* wt, const S* szt, int64_t g, uint16_t* w) {
-  const CodeFloats<Bits> codes;
-  constexpr int P = CodeFloats<Bits>::kPairs;
-  const int64_t chunks_per_group = p.gs / (2 * P);
-  const __m512 o = _mm512_set1_ps(static_cast<float>(code_offset(p.bits)));
-  // word 2r + j of a k pair is row r: words 0..15 (rows 0..7) are the lo lanes
-  const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_rows = _mm512_add_epi32(lo_rows, _mm512_set1_epi32(8));
-  const __m512 scale = load16(szt + g * p.zs);
-  const __m512 s_lo = _mm512_permutexvar_ps(lo_rows, scale), s_hi = _mm512_permutexvar_ps(hi_rows, scale);
-  __m512 m_lo = _mm512_setzero_ps(), m_hi = m_lo;
-  if constexpr (D != Dequant::kScaleAlone) {
-    const __m512 mn = load16(szt + g * p.zs + 16);
-    m_lo = _mm512_permutexvar_ps(lo_rows, mn), m_hi = _mm512_permutexvar_ps(hi_rows, mn);
-  }
-  for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-    __m512 lo[P], hi[P];
-    codes(wt, c, lo, hi);
-#pragma GCC unroll 2
-    for (int i = 0; i < P; ++i) {
-      if constexpr (D != Dequant::kMin) lo[i] = _mm512_sub_ps(lo[i], o), hi[i] = _mm512_sub_ps(hi[i], o);
-      __m512 w_lo, w_hi;  // one rounding each: the products are exact
-      if constexpr (D == Dequant::kScaleAlone) {
-        w_lo = _mm512_mul_ps(lo[i], s_lo), w_hi = _mm512_mul_ps(hi[i], s_hi);
-      } else {
-        w_lo = _mm512_fmadd_ps(lo[i], s_lo, m_lo), w_hi = _mm512_fmadd_ps(hi[i], s_hi, m_hi);
+// Tiles [t_first, t_first + count) as bfloat16 weights in bf16_pack's layout, tile i at
+// w + i * K / 2 * 32 (K / 2 k pairs of 32 words), made chunk by chunk in order on request: all at
+// once (dequant_tiles) or a few chunks at a time between the tile products of the tiles made
+// before (tiles_dequant_amx), where the vector units would otherwise wait on the tile unit.
+template <int Bits, typename S>
+class DequantCursor {
+ public:
+  static constexpr int kPairs = CodeFloats<Bits>::kPairs;
+
+  DequantCursor(const Problem<S>& p, int64_t t_first, int64_t count, uint16_t* w)
+      : p_(p),
+        w_(w),
+        d_(p.zs == 16 ? Dequant::kScaleAlone : p.shift_min ? Dequant::kMin : Dequant::kShiftedMin),
+        t_first_(t_first),
+        per_tile_(p.K / (2 * kPairs)),
+        per_group_(p.gs / (2 * kPairs)),
+        end_(count * per_tile_),
+        o_(_mm512_set1_ps(static_cast<float>(code_offset(p.bits)))) {}
+
+  int64_t chunks_per_tile() const { return per_tile_; }
+  int64_t made() const { return next_; }
+  // Makes chunks until `until` of them (counted from the first tile's first) are made.
+  void make_until(int64_t until) {
+    until = std::min(until, end_);
+    for (; next_ < until; ++next_) {
+      if (c_ == per_tile_) c_ = 0, g_ = 0, ++t_;
+      if (c_ == g_ * per_group_) load_group(), ++g_;
+      switch (d_) {
+        case Dequant::kMin: chunk<Dequant::kMin>(); break;
+        case Dequant::kShiftedMin: chunk<Dequant::kShiftedMin>(); break;
+        case Dequant::kScaleAlone: chunk<Dequant::kScaleAlone>(); break;
       }
-      _mm512_store_si512(w + (c * P + i) * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+      ++c_;
     }
   }
-}
+
+ private:
+  // The scales and mins of chunk c_'s group, per word: word 2r + j of a k pair is row r, so words
+  // 0..15 (rows 0..7) take the lo vectors and 16..31 (rows 8..15) the hi ones.
+  void load_group() {
+    const __m512i lo_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_rows = _mm512_add_epi32(lo_rows, _mm512_set1_epi32(8));
+    const S* sz = p_.sz + ((t_first_ + t_) * p_.G + g_) * p_.zs;
+    const __m512 scale = load16(sz);
+    s_lo_ = _mm512_permutexvar_ps(lo_rows, scale), s_hi_ = _mm512_permutexvar_ps(hi_rows, scale);
+    if (d_ != Dequant::kScaleAlone) {
+      const __m512 mn = load16(sz + 16);
+      m_lo_ = _mm512_permutexvar_ps(lo_rows, mn), m_hi_ = _mm512_permutexvar_ps(hi_rows, mn);
+    }
+  }
+
+  template <Dequant D>
+  inline void chunk() {
+    const uint8_t* wt = p_.w + (t_first_ + t_) * tile_rows(p_.K, p_.bits) * 32;
+    uint16_t* w = w_ + t_ * (p_.K / 2) * 32 + c_ * kPairs * 32;
+    __m512 lo[kPairs], hi[kPairs];
+    CodeFloats<Bits>()(wt, c_, lo, hi);
+#pragma GCC unroll 2
+    for (int i = 0; i < kPairs; ++i) {
+      if constexpr (D != Dequant::kMin) lo[i] = _mm512_sub_ps(lo[i], o_), hi[i] = _mm512_sub_ps(hi[i], o_);
+      __m512 w_lo, w_hi;  // one rounding each: the products are exact
+      if constexpr (D == Dequant::kScaleAlone) {
+        w_lo = _mm512_mul_ps(lo[i], s_lo_), w_hi = _mm512_mul_ps(hi[i], s_hi_);
+      } else {
+        w_lo = _mm512_fmadd_ps(lo[i], s_lo_, m_lo_), w_hi = _mm512_fmadd_ps(hi[i], s_hi_, m_hi_);
+      }
+      _mm512_store_si512(w + i * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    }
+  }
+
+  const Problem<S>& p_;
+  uint16_t* w_;
+  Dequant d_;
+  int64_t t_first_, per_tile_, per_group_, end_;
+  __m512 o_, s_lo_, s_hi_, m_lo_ = _mm512_setzero_ps(), m_hi_ = _mm512_setzero_ps();
+  int64_t next_ = 0, t_ = 0, c_ = 0, g_ = 0;  // chunks made; the next: chunk c_ of tile t_, in group g_ - 1
+                                              // once loaded (g_: groups of tile t_ loaded)
+};
 
 // Tiles [t_first, t_first + count) as bfloat16 weights, tile i at w + i * K / 2 * 32.
 template <int Bits, typename S>
 void dequant_tiles(const Problem<S>& p, int64_t t_first, int64_t count, uint16_t* w) {
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t t = t_first + i;
-    const uint8_t* wt = p.w + t * tile_rows(p.K, p.bits) * 32;
-    const S* szt = p.sz + t * p.G * p.zs;
-    uint16_t* wi = w + i * (p.K / 2) * 32;
-    for (int64_t g = 0; g < p.G; ++g) {
-      if (p.zs == 16) dequant_group<Dequant::kScaleAlone, Bits>(p, wt, szt, g, wi);
-      else if (p.shift_min) dequant_group<Dequant::kMin, Bits>(p, wt, szt, g, wi);
-      else dequant_group<Dequant::kShiftedMin, Bits>(p, wt, szt, g, wi);
-    }
-  }
+  DequantCursor<Bits, S> cursor(p, t_first, count, w);
+  cursor.make_until(count * cursor.chunks_per_tile());
 }
 
 // The bfloat16 weight buffer of the calling thread, at least `words` long, 64-byte aligned: kept
@@ -1061,8 +1099,12 @@ inline uint16_t* thread_weights(size_t words) {
 constexpr int64_t kRowsInL2 = 1 << 20;
 // A thread's tile pairs are dequantized as one panel (in L2 or L3, read again per row chunk, as
 // bf16_linear.cpp reads its packed weights) up to this many bytes; more (an LM head): panels of
-// kPanelBytes. (Making the next pair's weights between the tile products of this one, vector
-// units and tile unit at once, measured no faster on the AMX host: 0.97-1.05x either way.)
+// kPanelBytes. Each pair of a panel after its first is made during the previous pair's products
+// over the first row chunk, a few chunks after each k step (rows_2x2's between): the vector units
+// dequantize while the tile unit multiplies, and the new pair is in L2 when its turn comes.
+// Measured on the AMX host (2 threads, SmolLM2 and Gemma 3 shapes, bits 4 / 5 / 8, paired
+// against making the whole panel first in the same process): 256 rows 1.02-1.15x faster (x bf16
+// 0.90-1.13 against 0.80-1.05), 64 rows 0.97-1.12x.
 constexpr int64_t kThreadWeightBytes = 8 << 20;
 
 template <int Bits, typename T, typename S>
@@ -1074,20 +1116,26 @@ void tiles_dequant_amx(const Problem<S>& p, const tokenmill_amx::RowTiles& rows,
                                   ? q_end - q_begin
                                   : std::max<int64_t>(1, kPanelBytes / (pair_words * 2));
   uint16_t* w = thread_weights(static_cast<size_t>(std::min(panel_pairs, q_end - q_begin) * pair_words));
+  // k steps of rows_2x2 per pair in the first row chunk, between which the next pair is made
+  const int64_t steps = (std::min(chunk_blocks, blocks) + 1) / 2 * (p.K / 32);
   tokenmill_amx::configure(32, rows.tile_rows());
   for (int64_t q0 = q_begin; q0 < q_end; q0 += panel_pairs) {
     const int64_t q1 = std::min(q0 + panel_pairs, q_end);
-    dequant_tiles<Bits>(p, 2 * q0, std::min(2 * q1, tiles) - 2 * q0, w);
+    DequantCursor<Bits, S> cursor(p, 2 * q0, std::min(2 * q1, tiles) - 2 * q0, w);
+    const int64_t per_pair = 2 * cursor.chunks_per_tile(), per_step = (per_pair + steps - 1) / steps;
+    cursor.make_until(per_pair);  // the panel's first pair; each next one between its predecessor's products
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks)
       for (int64_t q = q0; q < q1; ++q) {
-        const int64_t t0 = 2 * q;
+        const int64_t t0 = 2 * q, made = (q - q0 + 2) * per_pair;  // through the next pair
         const uint16_t* w0 = w + (q - q0) * pair_words;
-        tokenmill_amx::rows_2x2(rows, b0, std::min(b0 + chunk_blocks, blocks), w0,
-                                t0 + 1 < tiles ? w0 + tile_words : nullptr, p.K,
-                                [&](const float* c, int live, int64_t b, int j) {
-                                  T* o = y + 16 * b * p.N + (t0 + j) * 16;
-                                  for (int r = 0; r < live; ++r) store_out(o + r * p.N, _mm512_load_ps(c + 16 * r));
-                                });
+        tokenmill_amx::rows_2x2(
+            rows, b0, std::min(b0 + chunk_blocks, blocks), w0, t0 + 1 < tiles ? w0 + tile_words : nullptr, p.K,
+            [&](const float* c, int live, int64_t b, int j) {
+              T* o = y + 16 * b * p.N + (t0 + j) * 16;
+              for (int r = 0; r < live; ++r) store_out(o + r * p.N, _mm512_load_ps(c + 16 * r));
+            },
+            [&] { cursor.make_until(std::min(cursor.made() + per_step, made)); });
+        cursor.make_until(made);
       }
   }
   _tile_release();

@@ -20,13 +20,15 @@ all with --group-size input columns per group (32: Q4_0 .. Q8_0, Q4_K, Q5_K; 16:
     int8fma  int8_weight_linear, the per-channel int8 kernel float32 activations keep (int8 -> float32,
              one float32 fma per weight)
 --mins asymmetric (default): random mins of both signs, the K-quants' and Q4_1's case (the
-many-rows schedule then pays two fmas per group end); symmetric: min = -offset * scale (Q4_0,
-Q8_0: the folded minimum is 0 and its fma skipped).
+many-rows schedule then pays two fmas per group end); symmetric: min = -offset * scale, held as
+scales alone as a Q4_0, Q5_0 or Q8_0 file loads (the folded minimum is 0 and its fma skipped).
 
-Shapes: SmolLM2-135M's fused qkv (576 -> 1536 rounded), gate_up (576 -> 3072) and down (1536 ->
-576); Gemma-3-270M-like 640 -> 2048, 2048 -> 640, 1024 -> 640. Weights hot (every kernel's weights
-in cache as far as they fit: the same call repeated), --threads threads, each figure the median of
-repeated timings, the kernels interleaved round by round so that machine noise hits all alike.
+Shapes (--shapes layers): SmolLM2-135M's fused qkv (576 -> 1536 rounded), gate_up (576 -> 3072) and
+down (1536 -> 576); Gemma-3-270M-like 640 -> 2048, 2048 -> 640, 1024 -> 640; --shapes heads: the
+two tied LM heads, 576 -> 49152 and 640 -> 262144 (168M weights: past L3 in every layout).
+Weights hot (every kernel's weights in cache as far as they fit: the same call repeated), --threads
+threads, each figure the median of repeated timings, the kernels interleaved round by round so
+that machine noise hits all alike.
 GFLOP/s = 2 M N K / time; "x bf16" is the median over rounds of bf16's time / the kernel's in the
 same round. Prints a table and writes JSON (bench/results/quantized_linear.json).
 """
@@ -49,39 +51,46 @@ from tokenmill.quantization.linear import Int8Linear
 RESULTS = Path(__file__).parent / "results"
 SHAPES = [("smollm2 qkv", 576, 1536), ("smollm2 gate_up", 576, 3072), ("smollm2 down", 1536, 576),
           ("gemma 640->2048", 640, 2048), ("gemma 2048->640", 2048, 640), ("gemma 1024->640", 1024, 640)]
+HEADS = [("smollm2 lm_head", 576, 49152), ("gemma lm_head", 640, 262144)]
 KERNELS = ["bf16", "int4", "group4", "group4vec", "group5", "group7", "group8", "int8", "int8fma"]
 
 
-def weights(n: int, k: int, group: int, symmetric: bool, seed: int):
-    """One (callable of x) per kernel, over random weights of the same shape."""
+def weights(n: int, k: int, group: int, symmetric: bool, seed: int, names=KERNELS):
+    """One (callable of x) per kernel of ``names``, over random weights of the same shape."""
     ops = dispatch.cpu_ops()
     g = torch.Generator().manual_seed(seed)
-    bf16 = ops.bf16_pack((torch.randn(n, k, generator=g) * k ** -0.5).bfloat16())
     groups = k // group
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scale = (torch.rand(n, groups, generator=g) * 0.02).bfloat16()
-    zero = (torch.randn(n, groups, generator=g) * 0.01).bfloat16()
-    int4 = qk.int4_cpu_pack(qk.pack_nibbles(q), scale, zero)
-    grouped = {}
+    empty = torch.empty(0)
+    fns = {}
+    if "bf16" in names:
+        bf16 = ops.bf16_pack((torch.randn(n, k, generator=g) * k ** -0.5).bfloat16())
+        fns["bf16"] = lambda x: ops.bf16_packed_linear(x, bf16, n, empty)
+    if "int4" in names:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scale = (torch.rand(n, groups, generator=g) * 0.02).bfloat16()
+        zero = (torch.randn(n, groups, generator=g) * 0.01).bfloat16()
+        int4 = qk.int4_cpu_pack(qk.pack_nibbles(q), scale, zero)
+        fns["int4"] = lambda x: ops.int4_weight_linear(x, int4[0], int4[1], group)
     for bits, largest, offset in ((4, 15, 8), (5, 31, 16), (7, 63, 32), (8, 255, 128)):
+        wanted = [name for name in (f"group{bits}", f"group{bits}vec") if name in names]
+        if not wanted:
+            continue
         codes = torch.randint(0, largest + 1, (n, k), generator=g, dtype=torch.uint8)
         s = torch.randn(n, groups, generator=g) * 0.01
         mins = -offset * s if symmetric else torch.randn(n, groups, generator=g) * 0.01 * offset
-        grouped[bits] = qk.group_cpu_pack(codes, s, mins, bits)
-    int8 = Int8Linear.from_float(torch.randn(n, k, generator=g) * k ** -0.5, None, torch.bfloat16)
-    empty = torch.empty(0)
-    return {
-        "bf16": lambda x: ops.bf16_packed_linear(x, bf16, n, empty),
-        "int4": lambda x: ops.int4_weight_linear(x, int4[0], int4[1], group),
-        "group4": lambda x: ops.group_weight_linear(x, grouped[4][0], grouped[4][1], group, 4),
-        "group4vec": lambda x: ops.group_weight_linear(x, grouped[4][0], grouped[4][1], group, 4,
-                                                       path=ops.KernelPath.VECTOR),
-        "group5": lambda x: ops.group_weight_linear(x, grouped[5][0], grouped[5][1], group, 5),
-        "group7": lambda x: ops.group_weight_linear(x, grouped[7][0], grouped[7][1], group, 7),
-        "group8": lambda x: ops.group_weight_linear(x, grouped[8][0], grouped[8][1], group, 8),
-        "int8": int8.matmul,
-        "int8fma": lambda x: ops.int8_weight_linear(x, int8.qweight, int8.scale),
-    }
+        packed, sz = qk.group_cpu_pack(codes, s, mins, bits)
+        if symmetric:  # Q4_0, Q5_0, Q8_0 as loaded: scales alone
+            sz = qk.scales_alone(sz, bits)
+        del codes
+        for name in wanted:
+            path = ops.KernelPath.VECTOR if name.endswith("vec") else ops.KernelPath.FASTEST
+            fns[name] = (lambda packed, sz, bits, path: lambda x: ops.group_weight_linear(
+                x, packed, sz, group, bits, path=path))(packed, sz, bits, path)
+    if "int8" in names or "int8fma" in names:
+        int8 = Int8Linear.from_float(torch.randn(n, k, generator=g) * k ** -0.5, None, torch.bfloat16)
+        fns["int8"] = int8.matmul
+        fns["int8fma"] = lambda x: ops.int8_weight_linear(x, int8.qweight, int8.scale)
+    return {name: fns[name] for name in names if name in fns}
 
 
 def measure(fns: dict, x: torch.Tensor, budget: float, min_rounds: int = 5,
@@ -115,6 +124,10 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=1.5, help="seconds of timing per (shape, rows)")
     parser.add_argument("--kernels", nargs="+", choices=KERNELS[1:], default=KERNELS[1:],
                         help="which kernels to time beside bf16 (default: all)")
+    parser.add_argument("--shapes", choices=["layers", "heads"], default="layers",
+                        help="layers: the decoder layers' linears (hot in cache); heads: the tied LM heads "
+                             "(Q8_0 in both shipped files: use --kernels group8 --mins symmetric), 28M and "
+                             "168M weights, the Gemma one streamed from DRAM at every call")
     parser.add_argument("--out", type=Path, default=RESULTS / "quantized_linear.json")
     args = parser.parse_args()
     kernels = ["bf16", *args.kernels]
@@ -137,9 +150,8 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     start = time.perf_counter()
-    for i, (name, k, n) in enumerate(SHAPES):
-        fns = {name: fn for name, fn in weights(n, k, args.group_size, args.mins == "symmetric", seed=i).items()
-               if name in kernels}
+    for i, (name, k, n) in enumerate(SHAPES if args.shapes == "layers" else HEADS):
+        fns = weights(n, k, args.group_size, args.mins == "symmetric", seed=i, names=kernels)
         for m in args.rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
             t, ratio = measure(fns, x, args.budget)
@@ -151,7 +163,8 @@ def main() -> None:
                   + " | ".join(f"{t[kn] * 1e3:>10.3f} {flop / t[kn] / 1e9:>5.0f} {ratio[kn]:>6.2f}"
                                for kn in kernels[1:]), flush=True)
     elapsed = time.perf_counter() - start
-    result = {"threads": args.threads, "group_size": args.group_size, "mins": args.mins, "x_dtype": "bfloat16",
+    result = {"threads": args.threads, "group_size": args.group_size, "mins": args.mins, "shapes": args.shapes,
+              "x_dtype": "bfloat16",
               "amx_tiles": amx, "amx_min_rows": ops.amx_min_rows(), "fixed_point_rows": fixed,
               "dequant_rows": dequant,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,

@@ -1074,8 +1074,9 @@ class DequantCursor {
   Dequant d_;
   int64_t t_first_, per_tile_, per_group_, end_;
   __m512 o_, s_lo_, s_hi_, m_lo_ = _mm512_setzero_ps(), m_hi_ = _mm512_setzero_ps();
-  int64_t next_ = 0, t_ = 0, c_ = 0, g_ = 0;  // chunks made; the next: chunk c_ of tile t_, in group g_ - 1
-                                              // once loaded (g_: groups of tile t_ loaded)
+  // next_: chunks made; the next one is chunk c_ of tile t_, whose first g_ groups' scales have been
+  // loaded (the vectors above hold group g_ - 1's)
+  int64_t next_ = 0, t_ = 0, c_ = 0, g_ = 0;
 };
 
 // Tiles [t_first, t_first + count) as bfloat16 weights, tile i at w + i * K / 2 * 32.

@@ -38,6 +38,9 @@ int64_t amx_min_rows();
 
 #include <strings.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -85,32 +88,49 @@ inline void configure(int depth, int rows = 16) {
   _tile_loadconfig(&c);
 }
 
-// Rows of x as tile sources: full blocks of 16 read x in place; the last, short block of a call of
-// more than 16 rows reads a copy padded with zero rows (the tiles are configured for 16 rows). A
-// call of fewer than 16 rows configures its tiles for M rows and reads x in place.
+// Rows of x as tile sources, packed once per call: for each block of 16 rows (the last one padded
+// with zero rows) and each 32 columns of K (the last padded with zeros), one tile of 16 rows x 64
+// bytes, stored contiguously (1 KB), the blocks' tiles in k order. A call of fewer than 16 rows
+// configures its tiles for M rows and packs M rows a tile. A tile load then reads 16 consecutive
+// cache lines instead of 16 rows K * 2 bytes apart: measured on the AMX host (one thread, weights
+// hot, 256 rows, packing included) 1.17-1.21x the speed of reading x in place.
 struct RowTiles {
-  const uint16_t* x;
+  const uint16_t* x;  // the packed tiles
   int64_t K, M;
-  const uint16_t* tail;  // 16 x K, rows M - M % 16 .. M - 1 then zeros; nullptr when M % 16 == 0
-                         // or M < 16
-  // The tile source for row block b (rows 16 b .. 16 b + 15) and how many of them are real.
-  const uint16_t* rows(int64_t b, int* live) const {
-    const int64_t m = 16 * b;
-    *live = static_cast<int>(M - m < 16 ? M - m : 16);
-    return *live < 16 && tail ? tail : x + m * K;
-  }
   int64_t blocks() const { return (M + 15) / 16; }
   int tile_rows() const { return M < 16 ? static_cast<int>(M) : 16; }
-};
-
-// A call's RowTiles, with `tail` (a caller-owned buffer) filled where it needs one.
-inline RowTiles row_tiles(const uint16_t* x, int64_t M, int64_t K, std::vector<uint16_t>& tail) {
-  if (M > 16 && M % 16) {
-    const int64_t m0 = M - M % 16;
-    tail.assign(static_cast<size_t>(16 * K), 0);
-    std::memcpy(tail.data(), x + m0 * K, static_cast<size_t>((M - m0) * K) * sizeof(uint16_t));
+  // The real rows of row block b (rows 16 b .. 16 b + 15).
+  int live(int64_t b) const { return static_cast<int>(M - 16 * b < 16 ? M - 16 * b : 16); }
+  // The tile source of row block b from column k (a multiple of 16: products of depth 16 read half
+  // of a packed tile's rows), its rows kRowBytes apart.
+  const uint16_t* at(int64_t b, int64_t k) const {
+    return x + (b * ((K + 31) / 32) + k / 32) * tile_rows() * 32 + k % 32;
   }
-  return RowTiles{x, K, M, tail.empty() ? nullptr : tail.data()};
+};
+constexpr int64_t kRowBytes = 64;
+
+// x [M, K] bfloat16 bits packed as RowTiles, into a buffer the calling thread keeps between calls
+// (valid until its next call). Calls of 64K elements or more pack their row blocks on the intra-op
+// threads.
+inline RowTiles row_tiles(const uint16_t* x, int64_t M, int64_t K) {
+  thread_local std::vector<uint16_t> buffer;
+  const int64_t rows = M < 16 ? M : 16, blocks = (M + 15) / 16, steps = (K + 31) / 32;
+  if (buffer.size() < static_cast<size_t>(blocks * steps * rows * 32))
+    buffer.resize(static_cast<size_t>(blocks * steps * rows * 32));
+  uint16_t* out = buffer.data();
+  at::parallel_for(0, blocks, M * K >= (1 << 16) ? 1 : blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t m = 16 * b + r;
+        for (int64_t s = 0; s < steps; ++s) {
+          uint16_t* dst = out + ((b * steps + s) * rows + r) * 32;
+          const int64_t n = m < M ? std::min<int64_t>(32, K - 32 * s) : 0;
+          if (n) std::memcpy(dst, x + m * K + 32 * s, static_cast<size_t>(n) * sizeof(uint16_t));
+          if (n < 32) std::memset(dst + n, 0, static_cast<size_t>(32 - n) * sizeof(uint16_t));
+        }
+      }
+  });
+  return RowTiles{out, K, M};
 }
 
 // Row tiles [b0, b1) of xs times one or two weight tiles, accumulated over the whole of K in the
@@ -125,18 +145,18 @@ template <typename Store, typename Between>
 inline void rows_2x2(const RowTiles& xs, int64_t b0, int64_t b1, const uint16_t* w0, const uint16_t* w1, int64_t K,
                      Store&& store, Between&& between) {
   alignas(64) float c[4][256];
-  const int64_t ldx = K * 2;
   for (int64_t b = b0; b < b1; b += 2) {
-    int live0 = 0, live1 = 0;
-    const uint16_t* x0 = xs.rows(b, &live0);
     const bool two_m = b + 1 < b1;
-    const uint16_t* x1 = two_m ? xs.rows(b + 1, &live1) : nullptr;
+    const int live0 = xs.live(b), live1 = two_m ? xs.live(b + 1) : 0;
+    const uint16_t* x0 = xs.at(b, 0);
+    const uint16_t* x1 = two_m ? xs.at(b + 1, 0) : nullptr;
+    const int64_t step = xs.tile_rows() * 32;  // one packed tile: the next 32 columns
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t k = 0; k < K; k += 32) {  // k pairs k / 2 .. k / 2 + 15: 16 rows of 32 words
-      _tile_loadd(4, x0 + k, ldx);
+      _tile_loadd(4, x0 + k / 32 * step, kRowBytes);
       _tile_loadd(6, w0 + k * 16, 64);
       _tile_dpbf16ps(0, 4, 6);
       if (w1) {
@@ -144,7 +164,7 @@ inline void rows_2x2(const RowTiles& xs, int64_t b0, int64_t b1, const uint16_t*
         _tile_dpbf16ps(1, 4, 7);
       }
       if (two_m) {
-        _tile_loadd(5, x1 + k, ldx);
+        _tile_loadd(5, x1 + k / 32 * step, kRowBytes);
         _tile_dpbf16ps(2, 5, 6);
         if (w1) _tile_dpbf16ps(3, 5, 7);
       }

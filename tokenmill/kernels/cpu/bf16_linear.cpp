@@ -168,8 +168,7 @@ void amx_rows(const tokenmill_amx::RowTiles& xs, int64_t b0, int64_t b1, const u
 template <typename Out>
 void amx_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, Out* out, int64_t N) {
   const int64_t tiles = (N + 15) / 16, pairs = (tiles + 1) / 2;
-  std::vector<uint16_t> tail;
-  const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(x, M, K, tail);
+  const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(x, M, K);
   constexpr int64_t chunk = tokenmill_amx::kChunkRows / 16;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     tokenmill_amx::configure(32, xs.tile_rows());

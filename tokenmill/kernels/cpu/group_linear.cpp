@@ -849,22 +849,25 @@ void tiles_many_rows(const Problem<S>& p, const uint32_t* xp, const RowBlocks& r
 // 7), and the next group's product is issued before this one's fold, so that the tile unit and the
 // vector units work at once.
 template <bool WithMin, int NB, typename T, typename S>
-inline void tile_column(const Problem<S>& p, const uint16_t* x0, int live, int64_t m0, int64_t depth,
+inline void tile_column(const Problem<S>& p, const tokenmill_amx::RowTiles& xs, int64_t b, int64_t depth,
                         const uint16_t* w, int t, const float* smin, T* y, int64_t n0) {
+  const int live = xs.live(b);
+  const int64_t m0 = 16 * b;
   alignas(64) float c[2][256];
   __m512 res[16];
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) res[r] = _mm512_setzero_ps();
-  const int64_t ldx = p.K * 2, ldw = NB * 64, steps = p.gs / depth;
+  const int64_t ldw = NB * 64, steps = p.gs / depth;
+  constexpr int64_t ldx = tokenmill_amx::kRowBytes;
   const float* sx = p.sx + m0 * p.G;
   // The tile intrinsics take their tile numbers as literals: one branch per set of tiles.
   auto product = [&](auto set, int64_t g) {
-    const uint16_t* xg = x0 + g * p.gs;
+    const int64_t kg = g * p.gs;
     const uint16_t* wg = w + (g * p.gs / 2) * NB * 32 + t * 32;
     if constexpr (decltype(set)::value == 0) {
       _tile_zero(0);
       for (int64_t s = 0; s < steps; ++s) {
-        _tile_loadd(4, xg + s * depth, ldx);
+        _tile_loadd(4, xs.at(b, kg + s * depth), ldx);
         _tile_loadd(6, wg + (s * depth / 2) * NB * 32, ldw);
         _tile_dpbf16ps(0, 4, 6);
       }
@@ -872,7 +875,7 @@ inline void tile_column(const Problem<S>& p, const uint16_t* x0, int live, int64
     } else {
       _tile_zero(1);
       for (int64_t s = 0; s < steps; ++s) {
-        _tile_loadd(5, xg + s * depth, ldx);
+        _tile_loadd(5, xs.at(b, kg + s * depth), ldx);
         _tile_loadd(7, wg + (s * depth / 2) * NB * 32, ldw);
         _tile_dpbf16ps(1, 5, 7);
       }
@@ -905,11 +908,9 @@ void strip_tiles(const Problem<S>& p, const Unpack<Bits>& unpack, const tokenmil
                  int64_t t0, uint16_t* w, float* smin, T* y) {
   const bool with_min = unpack_strip<NB>(p, unpack, t0, w, smin);
   for (int64_t b = 0; b < xs.blocks(); ++b) {
-    int live = 0;
-    const uint16_t* x0 = xs.rows(b, &live);
     for (int t = 0; t < NB; ++t) {
-      if (with_min) tile_column<true, NB>(p, x0, live, 16 * b, depth, w, t, smin, y, (t0 + t) * 16);
-      else tile_column<false, NB>(p, x0, live, 16 * b, depth, w, t, smin, y, (t0 + t) * 16);
+      if (with_min) tile_column<true, NB>(p, xs, b, depth, w, t, smin, y, (t0 + t) * 16);
+      else tile_column<false, NB>(p, xs, b, depth, w, t, smin, y, (t0 + t) * 16);
     }
   }
 }
@@ -1255,9 +1256,8 @@ void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
     if (dequant_applies(generic, tiles_ok, !p.xl, p.M, p.K)) {
       const void* xs = nullptr;
 #if defined(TOKENMILL_AMX)
-      std::vector<uint16_t> tail;
       tokenmill_amx::RowTiles rows{};
-      if (tokenmill_amx::usable()) rows = tokenmill_amx::row_tiles(p.xh, p.M, p.K, tail), xs = &rows;
+      if (tokenmill_amx::usable()) rows = tokenmill_amx::row_tiles(p.xh, p.M, p.K), xs = &rows;
 #endif
       at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
         with_bits<S>(p.bits, [&](auto bits) { tiles_dequant<decltype(bits)::value>(p, xs, begin, end, y); });
@@ -1272,8 +1272,7 @@ void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
   if constexpr (bf16_out) {
     if (!generic && tiles_ok && !p.xl && p.M >= tokenmill_amx::kMinRows && p.gs % 16 == 0 &&
         tokenmill_amx::usable()) {
-      std::vector<uint16_t> tail;
-      const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(p.xh, p.M, p.K, tail);
+      const tokenmill_amx::RowTiles xs = tokenmill_amx::row_tiles(p.xh, p.M, p.K);
       at::parallel_for(0, tiles, kStripTiles, [&](int64_t begin, int64_t end) {
         with_bits<S>(p.bits, [&](auto bits) { tiles_amx<decltype(bits)::value>(p, xs, begin, end, y); });
       });

@@ -45,6 +45,8 @@ int64_t amx_min_rows();
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
+
 namespace tokenmill_amx {
 
 constexpr int64_t kMinRows = 4;
@@ -112,15 +114,13 @@ struct RowTiles {
 };
 constexpr int64_t kRowBytes = 64;
 
-// x [M, K] bfloat16 bits packed as RowTiles, into a buffer the calling thread keeps between calls
-// (valid until its next call). Calls of 64K elements or more pack their row blocks on the intra-op
+// x [M, K] bfloat16 bits packed as RowTiles, into a 64-byte-aligned buffer the calling thread keeps
+// between calls (valid until its next call). Calls of 64K elements or more pack their row blocks on the intra-op
 // threads.
 inline RowTiles row_tiles(const uint16_t* x, int64_t M, int64_t K) {
   thread_local std::vector<uint16_t> buffer;
   const int64_t rows = M < 16 ? M : 16, blocks = (M + 15) / 16, steps = (K + 31) / 32;
-  if (buffer.size() < static_cast<size_t>(blocks * steps * rows * 32))
-    buffer.resize(static_cast<size_t>(blocks * steps * rows * 32));
-  uint16_t* out = buffer.data();
+  uint16_t* out = aligned_words(buffer, static_cast<size_t>(blocks * steps * rows * 32));
   at::parallel_for(0, blocks, M * K >= (1 << 16) ? 1 : blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t r = 0; r < rows; ++r) {

@@ -1091,8 +1091,7 @@ void dequant_tiles(const Problem<S>& p, int64_t t_first, int64_t count, uint16_t
 // between calls (a fresh allocation of this size is fresh pages, a fault each).
 inline uint16_t* thread_weights(size_t words) {
   thread_local std::vector<uint16_t> buffer;
-  if (buffer.size() < words + 32) buffer.resize(words + 32);
-  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+  return aligned_words(buffer, words);
 }
 
 #if defined(TOKENMILL_AMX)

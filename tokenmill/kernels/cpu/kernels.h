@@ -16,6 +16,15 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
+
+// C++ only: a 64-byte-aligned run of at least `words` words inside `buffer`, a thread_local of the
+// caller kept between calls (a fresh allocation per call is fresh pages, a fault each), so that each
+// 64-byte row of a tile or panel built there is one cache line.
+inline uint16_t* aligned_words(std::vector<uint16_t>& buffer, size_t words) {
+  if (buffer.size() < words + 32) buffer.resize(words + 32);
+  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+}
 
 // Which implementation an entry point runs. Both compute the same function; only the summation
 // order (float rounding) differs. Portable exists so that tests can check the vectorized path

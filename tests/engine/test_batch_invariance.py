@@ -57,8 +57,11 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 
 
 def run_alone(model: str, texts: list[str]) -> list:
-    reference = LLM(model, dtype="float32", device="cpu")
-    return [reference.generate(t, PARAMS)[0] for t in texts]
+    """Each prompt in a batch of its own: one sequence at a time (max_num_seqs=1)."""
+    reference = LLM(model, dtype="float32", device="cpu", max_num_seqs=1)
+    outputs = reference.generate(texts, PARAMS, use_tqdm=False)
+    assert max(s.num_running for s in reference.engine.stats) == 1
+    return outputs
 
 
 def run_together(model: str, texts: list[str], alone: list, name: str, kwargs: dict) -> None:

@@ -8,6 +8,7 @@ deltas of one prompt as they come.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Iterator, Sequence
 
 from tqdm import tqdm
@@ -24,7 +25,10 @@ from tokenmill.engine import (
 from tokenmill.errors import InvalidParameterError
 from tokenmill.loader import load_draft, load_model
 from tokenmill.options import option_fields, options_doc, split_options
+from tokenmill.quantization.grouped import keep_bf16_copies
 from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill.loading")
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -50,6 +54,10 @@ class LLM:
         load_config = LoadConfig(**load)
         engine_config = EngineConfig.from_parts(*engine_parts)
         loaded = load_model(load_config.model, load_config.dtype, load_config.device, load_config.cache_dir)
+        if load_config.bf16_copy_rows:
+            added = keep_bf16_copies(loaded.model, load_config.bf16_copy_rows)
+            logger.info("bfloat16 copies of the quantized linears for calls of %d rows or more: %.1f MB",
+                        load_config.bf16_copy_rows, added / 2**20)
         self.model_name = loaded.source.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

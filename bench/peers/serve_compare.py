@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -70,7 +71,8 @@ def free_port() -> int:
 def tokenmill_server(args, gguf: Path) -> Server:
     port = free_port()
     return Server("tokenmill", [sys.executable, "-m", "tokenmill", "serve", str(gguf), "--port", str(port),
-                                "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(args.slots)], port, "/ready")
+                                "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(args.slots),
+                                *shlex.split(args.tokenmill_args)], port, "/ready")
 
 
 def llama_server(args, gguf: Path) -> Server:
@@ -205,6 +207,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=None,
                         help="tokenmill --max-num-seqs and llama-server -np (default: the highest concurrency)")
     parser.add_argument("--dtype", default="auto", help="tokenmill's --dtype (auto, its default: a GGUF runs as stored)")
+    parser.add_argument("--tokenmill-args", default="", help="more options for tokenmill serve, e.g. '--bf16-copy-rows 8'")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds a server may take to come up")

@@ -204,6 +204,43 @@ def test_grouped_linear_spec_for_the_decode_stack() -> None:
     assert (spec.group_size, spec.bits) == (16, 7)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_a_bf16_copy_takes_the_bf16_calls_of_its_rows(qtype: Q) -> None:
+    """keep_bf16_copy(8): bfloat16 calls of 8 rows or more multiply by the weight rounded to
+    bfloat16, exactly as a bfloat16 nn.Linear does on tokenmill's kernel; fewer rows and float32
+    calls keep the codes. The decode stack's Linear dispatches the same way."""
+    from tokenmill.kernels import dispatch
+    from tokenmill.models.layers import linear
+
+    rng = np.random.default_rng(int(qtype))
+    weight = gguf_groups(torch.from_numpy(random_blocks(qtype, (40, 256), rng, False)), qtype, (40, 256))
+    plain, layer = GroupedLinear.from_gguf(weight), GroupedLinear.from_gguf(weight)
+    assert layer.keep_bf16_copy(8) >= 40 * 256 * 2
+    dense = nn.Linear(256, 40, bias=False).bfloat16()
+    with torch.no_grad():
+        dense.weight.copy_(weight.dequantize().bfloat16())
+    g = torch.Generator().manual_seed(2)
+    x8, x7 = torch.randn(8, 256, generator=g).bfloat16(), torch.randn(7, 256, generator=g).bfloat16()
+    assert torch.equal(layer(x8), linear(dense, x8)) and not torch.equal(layer(x8), plain(x8))
+    assert torch.equal(layer(x7), plain(x7))
+    assert torch.equal(layer(x8.float()), plain(x8.float()))
+    assert torch.equal(layer.matmul_float32(x8), linear(dense, x8, out_float32=True))  # logits
+    stacked = layer.cpu_kernel_spec()
+    assert stacked.bf16_copy_rows == 8 and plain.cpu_kernel_spec().bf16_copy is None
+    native = stacked.native(dispatch.cpu_ops())
+    assert torch.equal(native(x8), layer(x8)) and torch.equal(native(x7), plain(x7))
+    with pytest.raises(ValueError, match="at least 1"):
+        layer.keep_bf16_copy(0)
+
+
+def test_bf16_copy_rows_must_be_a_whole_number() -> None:
+    from tokenmill.config import LoadConfig
+    from tokenmill.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="bf16_copy_rows"):
+        LoadConfig(bf16_copy_rows=-1)
+
+
 # --------------------------------------------------------------------------- a tiny GGUF of every type
 
 @pytest.fixture(scope="module")
@@ -360,3 +397,22 @@ def test_native_smollm2_generates_through_llm() -> None:
     assert llm.dtype == torch.bfloat16
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
     assert len(out.token_ids) > 0 and "Paris" in out.text
+
+
+@pytest.mark.real_model
+@needs_fast
+def test_bf16_copies_give_the_bfloat16_models_outputs_from_their_rows() -> None:
+    """SmolLM2 as stored with bf16_copy_rows=1: every call multiplies by the copies, so prompt
+    logits and batched greedy decoding (12 rows a step, through the decode stack) are the
+    --dtype bfloat16 model's, bit for bit (as stored, without copies, the logits differ by ~1)."""
+    from tokenmill import LLM, SamplingParams
+
+    bf16 = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu")
+    copied = LLM("smollm2-135m-instruct", device="cpu", bf16_copy_rows=1)
+    assert_all_native(copied.engine.runner.model)
+    ids = bf16.tokenizer.encode("The capital of France is a city that")
+    assert torch.equal(prompt_logits(copied.engine.runner.model, ids), prompt_logits(bf16.engine.runner.model, ids))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [f"Story {i}: once upon a time" for i in range(12)]
+    assert [o.outputs[0].token_ids for o in copied.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]

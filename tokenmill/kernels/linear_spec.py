@@ -64,6 +64,10 @@ class CpuLinearSpec:
     """GROUPED: bits per code, 4 (codes 0..15), 5 (0..31), 7 (0..127, one a byte) or 8 (0..255); else 0."""
     offsets: torch.Tensor | None = None
     """SPARSE_BF16: int64 [tiles + 1], where each tile of 16 output channels starts in ``weight``; else None."""
+    bf16_copy: torch.Tensor | None = None
+    """GROUPED: the weight dequantized to bfloat16 and ``bf16_pack``'ed, which bfloat16 calls of at
+    least ``bf16_copy_rows`` rows multiply by instead of the codes; else None."""
+    bf16_copy_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.kind in (LinearKind.INT8, LinearKind.INT4, LinearKind.GROUPED,
@@ -77,9 +81,13 @@ class CpuLinearSpec:
                              f"{self.in_features}")
         if self.kind is LinearKind.GROUPED and self.bits not in (4, 5, 7, 8):
             raise ValueError(f"GROUPED needs bits 4, 5, 7 or 8, got {self.bits}")
+        if (self.bf16_copy is not None) != (self.bf16_copy_rows > 0) or (
+                self.bf16_copy is not None and self.kind is not LinearKind.GROUPED):
+            raise ValueError("a bfloat16 copy goes with a GROUPED weight and bf16_copy_rows >= 1")
 
     def native(self, ops: ModuleType):
         """This spec as the compiled module ``ops``' ``Linear``, for ``DecodeStack.add_layer``."""
         return ops.Linear(kind=ops.LinearKind[self.kind.name], weight=self.weight, out_features=self.out_features,
                           in_features=self.in_features, scales=self.scales, bias=self.bias,
-                          group_size=self.group_size, bits=self.bits, offsets=self.offsets)
+                          group_size=self.group_size, bits=self.bits, offsets=self.offsets,
+                          bf16_copy=self.bf16_copy, bf16_copy_rows=self.bf16_copy_rows)

@@ -38,6 +38,7 @@ from tokenmill.loading.gguf_groups import GroupedWeight
 from tokenmill.quantization import kernels
 from tokenmill.quantization.linear import QuantizedLinear
 
+_NO_BIAS = torch.empty(0)
 ROW_TILE = 16
 """Output channels per tile of the kernel's layout: the rows are padded to a multiple of it."""
 BITS = (4, 5, 7, 8)
@@ -106,6 +107,7 @@ class GroupedLinear(QuantizedLinear):
         self._ops = None
         self._prepared = False
         self._kernel_sz = sz
+        self._bf16_copy: tuple[torch.Tensor, int] | None = None  # (bf16_pack'ed weight, from rows)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, group_size: int, bits: int,
@@ -141,6 +143,23 @@ class GroupedLinear(QuantizedLinear):
         self._prepared = True
         return self
 
+    def keep_bf16_copy(self, rows: int) -> int:
+        """Also hold the weight dequantized to bfloat16 (``bf16_pack``'ed), for bfloat16 calls of at
+        least ``rows`` rows: there the bfloat16 GEMM, with no group ends and nothing to unpack, beats
+        the grouped kernel (its products are those of the rounded copy, not of the exact weights).
+        -> the bytes it adds (0 where the bfloat16 kernel cannot run here: nothing kept)."""
+        if rows < 1:
+            raise ValueError(f"keep_bf16_copy: rows must be at least 1, got {rows}")
+        if self._ops is None or not self._ops.bf16_linear_fast() or self.in_features % 2:
+            return 0
+        packed = kernels.aligned(self._ops.bf16_pack(self.dequantize().to(torch.bfloat16)))
+        self._bf16_copy = (packed, rows)
+        return packed.numel() * packed.element_size()
+
+    def _copy_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        copy = self._bf16_copy
+        return copy[0] if copy is not None and x.dtype == torch.bfloat16 and x.shape[0] >= copy[1] else None
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, out_float32=False)
 
@@ -153,6 +172,10 @@ class GroupedLinear(QuantizedLinear):
             raise RuntimeError("GroupedLinear used before prepare()")
         if self._ops is None:  # no kernel here: the reference path
             return F.linear(x, self.dequantize().to(device=x.device, dtype=x.dtype))
+        copy = self._copy_for(x)
+        if copy is not None:
+            return self._ops.bf16_packed_linear(x.contiguous(), copy, self.out_features, _NO_BIAS,
+                                                out_float32=out_float32)
         if x.dtype in dispatch.KERNEL_DTYPES:
             y = kernels.group_weight_mm(x.contiguous(), self.packed, self._kernel_sz, self.group_size, self.bits,
                                         out_float32)
@@ -166,12 +189,19 @@ class GroupedLinear(QuantizedLinear):
         where the kernels are not available (the stack then runs layer by layer)."""
         if self._ops is None:
             return None
+        copy, rows = self._bf16_copy or (None, 0)
         return CpuLinearSpec(kind=LinearKind.GROUPED, weight=self.packed, out_features=self.out_features,
                              in_features=self.in_features, scales=self._kernel_sz, bias=self.bias,
-                             group_size=self.group_size, bits=self.bits)
+                             group_size=self.group_size, bits=self.bits, bf16_copy=copy, bf16_copy_rows=rows)
 
     def dequantize(self) -> torch.Tensor:
         return self.grouped_weight().dequantize()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}, bits={self.bits}"
+
+
+def keep_bf16_copies(model: torch.nn.Module, rows: int) -> int:
+    """:meth:`GroupedLinear.keep_bf16_copy` on every grouped layer of ``model`` (the tied LM head
+    included): the "second layout for large batches". -> the bytes added in all."""
+    return sum(m.keep_bf16_copy(rows) for m in model.modules() if isinstance(m, GroupedLinear))

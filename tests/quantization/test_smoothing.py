@@ -200,7 +200,7 @@ PPL_TOKENS = 2048
 # smoothing calibrated on 4 sequences +1.0%, on the default 16 +0.8%); the bound sits between, with
 # room for kernel rounding differences
 MAX_PPL_CHANGE = 0.025
-CALIBRATION = 4  # sequences of 512 tokens: a third of the default's calibration time
+SMOLLM2_CALIBRATION = 4  # sequences of 512 tokens: a third of the default's calibration time
 
 
 @pytest.mark.real_model
@@ -213,7 +213,7 @@ def test_smollm2_w8a8_smoothed_perplexity_and_round_trip(tmp_path):
     base = load_model("smollm2-135m-instruct", torch.bfloat16, "cpu")
     ids = read_tokens(base.tokenizer, fetch_corpus(), PPL_TOKENS)  # as bench/quantization.py and eval do
     reference = perplexity(base.model, ids, context=512, stride=256, progress=False).perplexity
-    loaded = quantize("smollm2-135m-instruct", W8A8Config(calibration_samples=CALIBRATION), dtype="bfloat16",
+    loaded = quantize("smollm2-135m-instruct", W8A8Config(calibration_samples=SMOLLM2_CALIBRATION), dtype="bfloat16",
                       progress=False)
     change = perplexity(loaded.model, ids, context=512, stride=256, progress=False).perplexity / reference - 1
     assert change < MAX_PPL_CHANGE, change

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from datetime import datetime
 from typing import Annotated
 
@@ -125,9 +126,13 @@ def _time(value: str | None, param: str) -> float | None:
     if value is None or value == "":
         return None
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise APIError(400, f"{param} must be a finite time, got {value!r}", param=param)
+        return seconds
     try:
         return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     except ValueError:

@@ -56,7 +56,7 @@ class LLM:
         loaded = load_model(load_config.model, load_config.dtype, load_config.device, load_config.cache_dir)
         if load_config.bf16_copy_rows:
             added = keep_bf16_copies(loaded.model, load_config.bf16_copy_rows)
-            logger.info("bfloat16 copies of the quantized linears for calls of %d rows or more: %.1f MB",
+            logger.info("bfloat16 copies of the quantized linears for calls of %d rows or more: %.1f MiB",
                         load_config.bf16_copy_rows, added / 2**20)
         self.model_name = loaded.source.name
         self.model_config = loaded.config

@@ -140,6 +140,7 @@ class GroupedLinear(QuantizedLinear):
         self._ops = dispatch.cpu_ops() if self.packed.device.type == "cpu" else None
         # a symmetric type's kernel reads its scales alone (the saved sz keeps the (scale, min) layout)
         self._kernel_sz = kernels.aligned(kernels.scales_alone(self.sz, self.bits)) if self._ops else self.sz
+        self._bf16_copy = None  # a copy of the buffers as they were: keep_bf16_copy makes a new one
         self._prepared = True
         return self
 

@@ -59,14 +59,15 @@ class LoadConfig(Config):
         "bfloat16 on CUDA; for quantize, bfloat16), float32, bfloat16 or float16 (CUDA); an explicit dtype loads a "
         "GGUF file dequantized to it")
     device: str = option("auto", "auto, cpu or cuda")
-    bf16_copy_rows: int = option(
-        0, "GGUF weights as stored: also keep each quantized linear dequantized to bfloat16 (+2 bytes a weight) "
-        "and multiply calls of at least this many rows by that copy, where the bfloat16 GEMM is faster (0: none)")
+    bf16_copy_rows: int | None = option(
+        None, "GGUF weights as stored: also keep each quantized linear dequantized to bfloat16 (+2 bytes a weight) "
+        "and multiply calls of at least this many rows by that copy, where the bfloat16 GEMM is faster; 0: no "
+        "copies; default: 12 where the copies take at most 1/16 of the machine's memory, else none")
     cache_dir: str | None = option(
         None, "where fetched models and tokenizers are kept (default: $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill)")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bf16_copy_rows, int) or self.bf16_copy_rows < 0:
+        if self.bf16_copy_rows is not None and (not isinstance(self.bf16_copy_rows, int) or self.bf16_copy_rows < 0):
             raise InvalidParameterError(f"bf16_copy_rows must be a whole number >= 0, got {self.bf16_copy_rows!r}")
 
 

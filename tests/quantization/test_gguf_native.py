@@ -276,6 +276,24 @@ def test_the_native_head_writes_float32_logits_of_the_bfloat16_values(every_type
     assert torch.equal(logits, native.lm_head(native.norm(h)).float())
 
 
+@needs_fast
+def test_bf16_copies_by_default_only_where_they_are_small(every_type_gguf: Path) -> None:
+    """The default (bf16_copy_rows None): copies for calls of 12 rows or more when they take at most
+    1/16 of the machine's memory; 0 turns them off; a model without grouped layers gets none."""
+    from tokenmill import LLM
+    from tokenmill.quantization.grouped import AUTO_COPY_ROWS, auto_bf16_copy_rows
+
+    native = load_gguf_native(source(every_type_gguf)).model
+    size = sum(2 * m.out_features * m.in_features for m in native.modules() if isinstance(m, GroupedLinear))
+    assert auto_bf16_copy_rows(native, memory_bytes=16 * size) == AUTO_COPY_ROWS == 12
+    assert auto_bf16_copy_rows(native, memory_bytes=16 * size - 16) == 0
+    assert auto_bf16_copy_rows(load_float_model(source(every_type_gguf), torch.bfloat16).model, 2**40) == 0
+    default = LLM(str(every_type_gguf), device="cpu").engine.runner.model
+    assert {m.cpu_kernel_spec().bf16_copy_rows for m in default.modules() if isinstance(m, GroupedLinear)} == {12}
+    off = LLM(str(every_type_gguf), device="cpu", bf16_copy_rows=0).engine.runner.model
+    assert all(m.cpu_kernel_spec().bf16_copy is None for m in off.modules() if isinstance(m, GroupedLinear))
+
+
 def test_tiny_gguf_of_every_type_matches_its_dequantized_model(every_type_gguf: Path) -> None:
     ids = list(range(3, 250, 7))
     ref = load_float_model(source(every_type_gguf), torch.float32).model

@@ -29,6 +29,8 @@ path, slow and memory-hungry, that tokenmill's loader never chooses (it dequanti
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -200,6 +202,26 @@ class GroupedLinear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}, bits={self.bits}"
+
+
+AUTO_COPY_ROWS = 12
+"""The default bf16_copy_rows: measured, the bfloat16 GEMM over the copy wins from about 12 rows on
+(SmolLM2 and Gemma 3 decode at 12 and 16 sequences) and the codes at 8 (README, "A second layout")."""
+AUTO_COPY_SHARE = 1 / 16
+"""...where the copies take at most this share of the machine's memory (small models), else none."""
+
+
+def auto_bf16_copy_rows(model: torch.nn.Module, memory_bytes: int | None = None) -> int:
+    """The default of ``bf16_copy_rows`` for ``model``: AUTO_COPY_ROWS when it has grouped layers
+    whose bfloat16 copies fit AUTO_COPY_SHARE of ``memory_bytes`` (default: this machine's physical
+    memory), else 0."""
+    size = sum(2 * m.out_features * m.in_features for m in model.modules() if isinstance(m, GroupedLinear))
+    if memory_bytes is None:
+        try:
+            memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not a POSIX host: no copies
+            return 0
+    return AUTO_COPY_ROWS if 0 < size <= memory_bytes * AUTO_COPY_SHARE else 0
 
 
 def keep_bf16_copies(model: torch.nn.Module, rows: int) -> int:

@@ -3,9 +3,15 @@ the same workload, at rising concurrency, in one run; prints the ratio table.
 
     python bench/peers/serve_compare.py [--concurrencies 1,4,16,64] [--input-len 256] [--output-len 128]
                                         [--rounds 2] [--min-requests 16] [--dtype auto] [--engines tokenmill,llama.cpp]
+                                        [--variant bf16='--dtype bfloat16'] [--interleave 3]
 
 The servers run one at a time (never both: they would share the cores), each on a free local
-port, and are stopped after their sweep; their logs go beside the results. llama-server is built
+port, and are stopped after their sweep; their logs go beside the results. With --interleave R
+every server is up for the whole run (an idle one takes no CPU) and each level runs R times, the
+servers taking turns (the order rotated each repeat, every repeat on fresh prompts), so that a
+noisy host's drift lands on all of them alike; a point is then the repeat with the median output
+tok/s, and the JSON keeps every repeat and the per-repeat ratios. --variant NAME=ARGS adds a
+tokenmill server with more serve options (e.g. bf16='--dtype bfloat16'), shown as "tokenmill NAME". llama-server is built
 once into ~/.cache/tokenmill/peers (bench/peers/build_llama_cpp.py, about 12 minutes on 2 cores)
 unless --no-build; when it cannot be built or started it is skipped with a message.
 
@@ -34,10 +40,11 @@ import shlex
 import socket
 import subprocess
 import sys
+import statistics
 import time
 import urllib.request
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -47,7 +54,8 @@ from build_llama_cpp import CACHE, binaries, build
 from tokenmill.benchmark.client import ClientConfig
 from tokenmill.benchmark.report import fmt, markdown_table, write_json
 from tokenmill.benchmark.runner import LoadConfig, run_serve
-from tokenmill.benchmark.sweep import SweepResult, parse_loads, run_sweep, sweep_rows
+from tokenmill.benchmark.sweep import (SweepPoint, SweepResult, best_goodput, find_saturation, parse_loads, run_sweep,
+                                       sweep_rows)
 from tokenmill.benchmark.workloads import Conversation, WorkloadSpec, build_workload, load_tokenizer
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "peers"
@@ -68,11 +76,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tokenmill_server(args, gguf: Path) -> Server:
+def tokenmill_server(args, gguf: Path, name: str = "tokenmill", extra: str = "") -> Server:
     port = free_port()
-    return Server("tokenmill", [sys.executable, "-m", "tokenmill", "serve", str(gguf), "--port", str(port),
-                                "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(args.slots),
-                                *shlex.split(args.tokenmill_args)], port, "/ready")
+    return Server(name, [sys.executable, "-m", "tokenmill", "serve", str(gguf), "--port", str(port),
+                         "--dtype", args.dtype, "--device", "cpu", "--max-num-seqs", str(args.slots),
+                         *shlex.split(args.tokenmill_args), *shlex.split(extra)], port, "/ready")
+
+
+def parse_variants(texts: list[str]) -> dict[str, str]:
+    """--variant NAME=ARGS values -> {"tokenmill NAME": ARGS}; raises ValueError naming a bad one."""
+    variants = {}
+    for text in texts:
+        name, sep, extra = text.partition("=")
+        if not sep or not name.strip() or not extra.strip():
+            raise ValueError(f"--variant {text!r}: give NAME=ARGS, e.g. bf16='--dtype bfloat16'")
+        key = f"tokenmill {name.strip()}"
+        if key in variants:
+            raise ValueError(f"--variant {name.strip()!r} is given twice")
+        variants[key] = extra
+    return variants
 
 
 def llama_server(args, gguf: Path) -> Server:
@@ -125,12 +147,13 @@ def served_model(root: str) -> str:
         return json.load(resp)["data"][0]["id"]
 
 
-def workloads(args, tokenizer, loads: list[float]) -> tuple[list[Conversation], list[list[Conversation]]]:
-    """(warm-up, one workload per level): fresh prompts per level, drawn once for every server."""
+def workloads(args, tokenizer, loads: list[float], repeat: int = 0
+              ) -> tuple[list[Conversation], list[list[Conversation]]]:
+    """(warm-up, one workload per level): fresh prompts per level (and per repeat), drawn once for every server."""
     spec = WorkloadSpec("random", 2, str(args.input_len), str(args.output_len), seed=args.seed + 999)
     warm = build_workload(spec, tokenizer)
     levels = [build_workload(dataclasses.replace(spec, num_requests=max(args.min_requests, args.rounds * int(c)),
-                                                 seed=args.seed + 1000 * level), tokenizer)
+                                                 seed=args.seed + 1000 * level + 100_000 * repeat), tokenizer)
               for level, c in enumerate(loads)]
     return warm, levels
 
@@ -147,6 +170,64 @@ def sweep(server: Server, warm: list[Conversation], levels: list[list[Conversati
         run_serve(client, LoadConfig(max_concurrency=len(warm)), warm, count, progress=False)
         return run_sweep(client, LoadConfig(), "concurrency", loads, levels.__getitem__, count, workload=workload,
                          on_point=on_point)
+
+
+def interleaved(servers: list[Server], warm: list[Conversation], repeats: list[list[list[Conversation]]],
+                loads: list[float], count: Callable[[str], int], workload: dict, stem: Path,
+                startup_timeout_s: float) -> tuple[dict[str, SweepResult], dict[str, list[list[float]]]]:
+    """Every server up at once; each level runs once per repeat on every server, taking turns.
+
+    Returns ({server: sweep of the median repeats}, {server: [[out tok/s of each repeat] per level]})."""
+    with ExitStack() as stack:
+        clients = {}
+        for server in servers:
+            root = stack.enter_context(running(server, Path(f"{stem}-{_slug(server.name)}.log"), startup_timeout_s))
+            clients[server.name] = ClientConfig(root, served_model(root), "completions", ignore_eos=True,
+                                                temperature=0.0)
+            run_serve(clients[server.name], LoadConfig(max_concurrency=len(warm)), warm, count, progress=False)
+        runs: dict[str, list[list]] = {s.name: [[] for _ in loads] for s in servers}
+        for level, load in enumerate(loads):
+            for r, levels in enumerate(repeats):
+                for server in servers[r % len(servers):] + servers[:r % len(servers)]:
+                    cfg = LoadConfig(max_concurrency=int(load), seed=level + 1000 * r)
+                    s = run_serve(clients[server.name], cfg, levels[level], count, workload=workload,
+                                  progress=False).summary
+                    runs[server.name][level].append(s)
+                    print(f"  {server.name} c={load:g} repeat {r + 1}: {s.completed} ok, {s.failed} failed, "
+                          f"{s.output_throughput:,.1f} tok/s, TTFT p50 {s.ttft.median or 0:.0f} ms, "
+                          f"TPOT p50 {s.tpot.median or 0:.1f} ms", flush=True)
+    results, throughputs = {}, {}
+    for name, per_level in runs.items():
+        points = [SweepPoint(load, _median_run(summaries)) for load, summaries in zip(loads, per_level)]
+        results[name] = SweepResult("concurrency", points, dataclasses.asdict(clients[name]), workload, None,
+                                    find_saturation(points), best_goodput(points))
+        throughputs[name] = [[s.output_throughput for s in summaries] for summaries in per_level]
+    return results, throughputs
+
+
+def _median_run(summaries: list):
+    """The run whose output tok/s is the median (the lower middle one for an even count)."""
+    ranked = sorted(summaries, key=lambda s: s.output_throughput)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def _slug(name: str) -> str:
+    return name.replace(" ", "-")
+
+
+def repeat_ratios(throughputs: dict[str, list[list[float]]], loads: list[float]) -> tuple[list[str], list[list[str]]]:
+    """tokenmill / each other server, repeat by repeat (the same prompts, minutes apart), and their median."""
+    others = [n for n in throughputs if n != "tokenmill"]
+    header = ["concurrency", *[f"tokenmill / {n} per repeat (median)" for n in others]]
+    rows = []
+    for level, load in enumerate(loads):
+        cells = []
+        for name in others:
+            ratios = [a / b for a, b in zip(throughputs["tokenmill"][level], throughputs[name][level]) if b]
+            cells.append(", ".join(f"x{x:.2f}" for x in ratios) + (f" (x{statistics.median(ratios):.2f})"
+                                                                    if ratios else ""))
+        rows.append([f"{load:g}", *cells])
+    return header, rows
 
 
 # ---------------------------------------------------------------- the ratio table
@@ -208,6 +289,12 @@ def main() -> None:
                         help="tokenmill --max-num-seqs and llama-server -np (default: the highest concurrency)")
     parser.add_argument("--dtype", default="auto", help="tokenmill's --dtype (auto, its default: a GGUF runs as stored)")
     parser.add_argument("--tokenmill-args", default="", help="more options for tokenmill serve, e.g. '--bf16-copy-rows 8'")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="one more tokenmill server with more serve options, shown as 'tokenmill NAME', "
+                             "e.g. bf16='--dtype bfloat16' (repeatable)")
+    parser.add_argument("--interleave", type=int, default=0, metavar="R",
+                        help="keep every server up and run each level R times, servers taking turns (0: one "
+                             "server after the other, once)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server -t")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds a server may take to come up")
@@ -219,6 +306,12 @@ def main() -> None:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if unknown := set(engines) - set(ENGINES):
         parser.error(f"unknown engines {sorted(unknown)}; use {','.join(ENGINES)}")
+    try:
+        variants = parse_variants(args.variant)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.interleave < 0:
+        parser.error(f"--interleave must be >= 0, got {args.interleave}")
 
     from tokenmill.loading.sources import resolve_model
 
@@ -238,30 +331,46 @@ def main() -> None:
     stem = RESULTS / f"serve-{datetime.now():%Y%m%d-%H%M%S}"
     results: dict[str, SweepResult] = {}
     skipped: dict[str, str] = {}
-    for name in engines:
-        print(f"== {name}", flush=True)
+    servers: list[Server] = []
+    for name in [*engines, *variants]:
         try:
-            server = tokenmill_server(args, gguf) if name == "tokenmill" else llama_server(args, gguf)
-            results[name] = sweep(server, warm, levels, loads, count, workload, Path(f"{stem}-{name}.log"),
-                                  args.startup_timeout)
+            servers.append(tokenmill_server(args, gguf, name, variants.get(name, "")) if name.startswith("tokenmill")
+                           else llama_server(args, gguf))
         except RuntimeError as exc:
             print(f"  skipped {name}: {exc}", flush=True)
             skipped[name] = str(exc)
+    throughputs = None
+    if args.interleave and servers:
+        print(f"== {', '.join(s.name for s in servers)}: {args.interleave} repeats, taking turns", flush=True)
+        repeats = [levels] + [workloads(args, tokenizer, loads, r)[1] for r in range(1, args.interleave)]
+        workload["repeats"] = args.interleave
+        results, throughputs = interleaved(servers, warm, repeats, loads, count, workload, stem, args.startup_timeout)
+    for server in servers if not args.interleave else []:
+        print(f"== {server.name}", flush=True)
+        try:
+            results[server.name] = sweep(server, warm, levels, loads, count, workload,
+                                         Path(f"{stem}-{_slug(server.name)}.log"), args.startup_timeout)
+        except RuntimeError as exc:
+            print(f"  skipped {server.name}: {exc}", flush=True)
+            skipped[server.name] = str(exc)
     if not results:
         sys.exit("no engine ran")
 
     for name, result in results.items():
         print(f"\n{name}\n" + markdown_table(*sweep_rows(result)))
     table = markdown_table(*ratio_table(results))
+    if throughputs and "tokenmill" in throughputs and len(throughputs) > 1:
+        table += "\n\nOutput tok/s, repeat by repeat:\n\n" + markdown_table(*repeat_ratios(throughputs, loads))
     intro = (f"`{gguf.name}`, random prompts of {args.input_len} tokens, {args.output_len} out (EOS ignored), "
              f"streamed /v1/completions, {args.slots} slots; tokenmill {args.dtype}; llama-server -t {args.threads}. "
              f"Latencies in ms; ratios tokenmill / peer: > 1 is better for tok/s, < 1 is better for latencies.")
     skips = "".join(f"\n- {n} skipped: {why}" for n, why in skipped.items())
     print(f"\n{intro}\n\n{table}{skips}")
     for name, result in results.items():       # each alone too: tokenmill bench compare A.json B.json
-        write_json(result.to_dict(), f"{stem}-{name}.json")
+        write_json(result.to_dict(), f"{stem}-{_slug(name)}.json")
     write_json({"kind": "serve_peers", "args": vars(args), "gguf": str(gguf), "skipped": skipped,
-                "sweeps": {n: r.to_dict() for n, r in results.items()}}, stem.with_suffix(".json"))
+                "sweeps": {n: r.to_dict() for n, r in results.items()},
+                "repeat_output_throughput": throughputs}, stem.with_suffix(".json"))
     stem.with_suffix(".md").write_text(f"# Serving peers\n\n{intro}\n\n{table}\n{skips}\n\n![serve]({stem.name}.png)\n")
     plot(results, stem.with_suffix(".png"))
     print(f"wrote {stem}.json, .md and .png")

@@ -344,7 +344,11 @@ def main() -> None:
         print(f"== {', '.join(s.name for s in servers)}: {args.interleave} repeats, taking turns", flush=True)
         repeats = [levels] + [workloads(args, tokenizer, loads, r)[1] for r in range(1, args.interleave)]
         workload["repeats"] = args.interleave
-        results, throughputs = interleaved(servers, warm, repeats, loads, count, workload, stem, args.startup_timeout)
+        try:
+            results, throughputs = interleaved(servers, warm, repeats, loads, count, workload, stem,
+                                               args.startup_timeout)
+        except RuntimeError as exc:  # a server that did not come up: the others were stopped
+            sys.exit(f"--interleave needs every server up: {exc}")
     for server in servers if not args.interleave else []:
         print(f"== {server.name}", flush=True)
         try:

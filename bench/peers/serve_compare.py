@@ -158,18 +158,27 @@ def workloads(args, tokenizer, loads: list[float], repeat: int = 0
     return warm, levels
 
 
-def sweep(server: Server, warm: list[Conversation], levels: list[list[Conversation]], loads: list[float],
-          count: Callable[[str], int], workload: dict, log: Path, startup_timeout_s: float) -> SweepResult:
-    def on_point(point) -> None:
-        s = point.summary
-        print(f"  {server.name} c={point.load:g}: {s.completed} ok, {s.failed} failed, {s.output_throughput:,.1f} "
-              f"tok/s, TTFT p50 {s.ttft.median or 0:.0f} ms, TPOT p50 {s.tpot.median or 0:.1f} ms", flush=True)
-
+@contextmanager
+def warmed(server: Server, warm: list[Conversation], count: Callable[[str], int], log: Path,
+           startup_timeout_s: float):
+    """Start the server (``running``), send it the warm-up requests, yield its client config."""
     with running(server, log, startup_timeout_s) as root:
         client = ClientConfig(root, served_model(root), "completions", ignore_eos=True, temperature=0.0)
         run_serve(client, LoadConfig(max_concurrency=len(warm)), warm, count, progress=False)
+        yield client
+
+
+def point_line(name: str, load: float, s, label: str = "") -> str:
+    """One measured point, as the sweeps print it."""
+    return (f"  {name} c={load:g}{label}: {s.completed} ok, {s.failed} failed, {s.output_throughput:,.1f} tok/s, "
+            f"TTFT p50 {s.ttft.median or 0:.0f} ms, TPOT p50 {s.tpot.median or 0:.1f} ms")
+
+
+def sweep(server: Server, warm: list[Conversation], levels: list[list[Conversation]], loads: list[float],
+          count: Callable[[str], int], workload: dict, log: Path, startup_timeout_s: float) -> SweepResult:
+    with warmed(server, warm, count, log, startup_timeout_s) as client:
         return run_sweep(client, LoadConfig(), "concurrency", loads, levels.__getitem__, count, workload=workload,
-                         on_point=on_point)
+                         on_point=lambda point: print(point_line(server.name, point.load, point.summary), flush=True))
 
 
 def interleaved(servers: list[Server], warm: list[Conversation], repeats: list[list[list[Conversation]]],
@@ -179,12 +188,9 @@ def interleaved(servers: list[Server], warm: list[Conversation], repeats: list[l
 
     Returns ({server: sweep of the median repeats}, {server: [[out tok/s of each repeat] per level]})."""
     with ExitStack() as stack:
-        clients = {}
-        for server in servers:
-            root = stack.enter_context(running(server, Path(f"{stem}-{_slug(server.name)}.log"), startup_timeout_s))
-            clients[server.name] = ClientConfig(root, served_model(root), "completions", ignore_eos=True,
-                                                temperature=0.0)
-            run_serve(clients[server.name], LoadConfig(max_concurrency=len(warm)), warm, count, progress=False)
+        clients = {server.name: stack.enter_context(warmed(server, warm, count, Path(f"{stem}-{_slug(server.name)}.log"),
+                                                           startup_timeout_s))
+                   for server in servers}
         runs: dict[str, list[list]] = {s.name: [[] for _ in loads] for s in servers}
         for level, load in enumerate(loads):
             for r, levels in enumerate(repeats):
@@ -193,9 +199,7 @@ def interleaved(servers: list[Server], warm: list[Conversation], repeats: list[l
                     s = run_serve(clients[server.name], cfg, levels[level], count, workload=workload,
                                   progress=False).summary
                     runs[server.name][level].append(s)
-                    print(f"  {server.name} c={load:g} repeat {r + 1}: {s.completed} ok, {s.failed} failed, "
-                          f"{s.output_throughput:,.1f} tok/s, TTFT p50 {s.ttft.median or 0:.0f} ms, "
-                          f"TPOT p50 {s.tpot.median or 0:.1f} ms", flush=True)
+                    print(point_line(server.name, load, s, f" repeat {r + 1}"), flush=True)
     results, throughputs = {}, {}
     for name, per_level in runs.items():
         points = [SweepPoint(load, _median_run(summaries)) for load, summaries in zip(loads, per_level)]
@@ -340,7 +344,7 @@ def main() -> None:
             print(f"  skipped {name}: {exc}", flush=True)
             skipped[name] = str(exc)
     throughputs = None
-    if args.interleave and servers:
+    if args.interleave:
         print(f"== {', '.join(s.name for s in servers)}: {args.interleave} repeats, taking turns", flush=True)
         repeats = [levels] + [workloads(args, tokenizer, loads, r)[1] for r in range(1, args.interleave)]
         workload["repeats"] = args.interleave
@@ -349,14 +353,15 @@ def main() -> None:
                                                args.startup_timeout)
         except RuntimeError as exc:  # a server that did not come up: the others were stopped
             sys.exit(f"--interleave needs every server up: {exc}")
-    for server in servers if not args.interleave else []:
-        print(f"== {server.name}", flush=True)
-        try:
-            results[server.name] = sweep(server, warm, levels, loads, count, workload,
-                                         Path(f"{stem}-{_slug(server.name)}.log"), args.startup_timeout)
-        except RuntimeError as exc:
-            print(f"  skipped {server.name}: {exc}", flush=True)
-            skipped[server.name] = str(exc)
+    else:
+        for server in servers:
+            print(f"== {server.name}", flush=True)
+            try:
+                results[server.name] = sweep(server, warm, levels, loads, count, workload,
+                                             Path(f"{stem}-{_slug(server.name)}.log"), args.startup_timeout)
+            except RuntimeError as exc:
+                print(f"  skipped {server.name}: {exc}", flush=True)
+                skipped[server.name] = str(exc)
     if not results:
         sys.exit("no engine ran")
 

@@ -2,15 +2,16 @@
 static batches of the same maximum batch size and dtype, on the same requests, in one run.
 
     python bench/offline_throughput.py [--num-requests 256] [--max-batch 32] [--dtype float32] [--hf-dtype D]
+        [--device cpu|cuda] [--model NAME|GGUF|HF_DIR] [--out FILE.json]
 
 Requests: random token prompts of 32-1024 tokens and outputs of 16-512 tokens (uniform, seeded),
 EOS ignored so both engines produce exactly the requested tokens. HF runs the requests in
 arrival order in batches of --max-batch, left-padded, each batch generating up to its longest
 output; only requested tokens count. Output tok/s = requested output tokens / wall time.
 Also reports the prompt-chunk steps' GFLOP/s (linear layers: 2 x decoder-layer linear parameters
-per prompt token) against this machine's measured bfloat16 GEMM peak (tokenmill's own kernel at
-2048^3, as ``bench/peers/decode_prefill_peers.py`` measures it).
-Prints the table, writes JSON and a PNG under bench/results/.
+per prompt token) against this machine's measured bfloat16 GEMM peak (on CPU tokenmill's own kernel
+at 2048^3, as ``bench/peers/decode_prefill_peers.py`` measures it; on CUDA PyTorch's at 8192^3).
+Prints the table, writes JSON and a PNG (default under bench/results/).
 """
 
 from __future__ import annotations
@@ -80,18 +81,44 @@ def prefill_gflops(llm: LLM, steps: dict, peak: dict) -> dict:
     return {"gflops": gflops, "bf16_peak": peak, "of_peak": gflops / peak_gflops if gflops and peak_gflops else None}
 
 
-def run_hf(model, requests, max_batch: int, pad_id: int) -> float:
+def run_hf(model, requests, max_batch: int, pad_id: int, device: str = "cpu") -> float:
     start = time.perf_counter()
     for i in tqdm(range(0, len(requests), max_batch), desc="hf static batches"):
         batch = requests[i:i + max_batch]
         width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=device)
         longest = max(out for _, out in batch)
         with torch.no_grad():
             model.generate(input_ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                            do_sample=False, pad_token_id=pad_id)
+    if device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def bf16_peak_of(device: str) -> dict:
+    if device == "cuda":
+        from tokenmill.benchmark.hardware import measure_matmul
+
+        n = 8192
+        return {"m": n, "k": n, "n": n, "gflops": measure_matmul(torch.device("cuda"), torch.bfloat16, n) / 1e9}
+    sys.path.insert(0, str(Path(__file__).parent / "peers"))
+    from decode_prefill_peers import bf16_peak
+
+    return bf16_peak(torch.get_num_threads(), calls=5)
+
+
+def load_hf(model: str, dtype: torch.dtype, device: str):
+    import transformers
+
+    source = resolve_model(model)
+    if source.format == "gguf":  # HF dequantizes the file's weights
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, dtype=dtype)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
+    return hf.to(device).eval()
 
 
 def main() -> None:
@@ -108,10 +135,13 @@ def main() -> None:
     parser.add_argument("--output-range", type=int, nargs=2, default=(16, 512))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", type=Path, default=RESULTS / "offline_throughput.json",
+                        help="the JSON; the PNG goes beside it")
     args = parser.parse_args()
     hf_dtype = args.hf_dtype or ("bfloat16" if args.dtype == "auto" else args.dtype)
 
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_batch)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_batch)
     requests = make_requests(args.num_requests, llm.model_config.vocab_size, args.seed,
                              tuple(args.prompt_range), tuple(args.output_range))
     output_tokens = sum(out for _, out in requests)
@@ -120,10 +150,7 @@ def main() -> None:
     rows.append({"engine": "tokenmill", "dtype": args.dtype, "seconds": elapsed, "output_tok_s": output_tokens / elapsed,
                  "steps": step_breakdown(llm.engine.stats)})
     b = rows[0]["steps"]
-    sys.path.insert(0, str(Path(__file__).parent / "peers"))
-    from decode_prefill_peers import bf16_peak
-
-    rows[0]["prefill"] = prefill = prefill_gflops(llm, b, bf16_peak(torch.get_num_threads(), calls=5))
+    rows[0]["prefill"] = prefill = prefill_gflops(llm, b, bf16_peak_of(args.device))
     peak_text = (f"{prefill['bf16_peak']['gflops']:.0f} GFLOP/s, {100 * prefill['of_peak']:.0f}% of it"
                  if prefill["of_peak"] else prefill["bf16_peak"].get("skipped", "not measured"))
     print(f"tokenmill steps: {b['decode_steps']} decode-only ({b['decode_seconds']:.1f} s, mean batch "
@@ -134,21 +161,20 @@ def main() -> None:
               f"{prefill['gflops']:.0f} GFLOP/s in the linears (bf16 peak {peak_text})", flush=True)
     print(f"tokenmill        {output_tokens / elapsed:8.1f} output tok/s  ({elapsed:.1f} s)", flush=True)
     if not args.no_hf:
-        import transformers
-
-        source = resolve_model(args.model)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(source.path.parent), gguf_file=source.path.name, dtype=getattr(torch, hf_dtype)).eval()
-        elapsed = run_hf(hf, requests, args.max_batch, pad_id=0)
+        del llm  # its KV cache, before HF's
+        hf = load_hf(args.model, getattr(torch, hf_dtype), args.device)
+        elapsed = run_hf(hf, requests, args.max_batch, pad_id=0, device=args.device)
         rows.append({"engine": "hf-transformers (static batches)", "dtype": hf_dtype, "seconds": elapsed,
                      "output_tok_s": output_tokens / elapsed})
         print(f"hf-transformers  {output_tokens / elapsed:8.1f} output tok/s  ({elapsed:.1f} s)", flush=True)
         print(f"ratio tokenmill / hf: x{rows[0]['output_tok_s'] / rows[1]['output_tok_s']:.2f}")
-    RESULTS.mkdir(exist_ok=True)
-    result = {"args": vars(args), "cpu": _cpu_name(), "threads": torch.get_num_threads(),
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"args": {**vars(args), "out": str(args.out)}, "cpu": _cpu_name(), "threads": torch.get_num_threads(),
               "output_tokens": output_tokens, "runs": rows}
-    (RESULTS / "offline_throughput.json").write_text(json.dumps(result, indent=2))
-    _plot(rows)
+    if args.device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+    args.out.write_text(json.dumps(result, indent=2))
+    _plot(rows, args.out)
 
 
 def _cpu_name() -> str:
@@ -161,7 +187,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _plot(rows) -> None:
+def _plot(rows, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,8 +198,8 @@ def _plot(rows) -> None:
     ax.set_xlabel("output tok/s")
     ax.set_title("offline throughput")
     fig.tight_layout()
-    fig.savefig(RESULTS / "offline_throughput.png", dpi=100)
-    print(f"wrote {RESULTS / 'offline_throughput.json'} and .png")
+    fig.savefig(out.with_suffix(".png"), dpi=100)
+    print(f"wrote {out} and .png")
 
 
 if __name__ == "__main__":

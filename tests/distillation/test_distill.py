@@ -275,6 +275,26 @@ def test_the_distill_command_runs_and_prints_a_summary(dirs, tmp_path, capsys):
     assert (out / "student" / "model.safetensors").exists() and (out / "log.json").exists()
 
 
+def test_freeze_embedding_keeps_the_students_embedding(dirs, tmp_path):
+    """--freeze-embedding: the saved student's embedding (and tied head) is the one it started with,
+    while its layers moved."""
+    from safetensors.torch import load_file
+
+    from tokenmill.cli import main
+    from tokenmill.loader import load_model
+
+    out = tmp_path / "frozen"
+    assert main(["distill", "--teacher", str(dirs["teacher"]), "--student", str(dirs["student"]), "--out", str(out),
+                 "--steps", "2", "--seq-len", "16", "--batch-size", "1", "--eval-tokens", "0", "--lr", "1e-2",
+                 "--data", str(dirs["text"]), "--float32-matmuls", "--freeze-embedding"]) == 0
+    before = load_model(str(dirs["student"]), torch.float32, "cpu").model
+    after = load_file(str(out / "student" / "model.safetensors"))
+    assert torch.equal(after["model.embed_tokens.weight"].float(), before.embed.weight.to(torch.bfloat16).float())
+    moved = after["model.layers.0.mlp.down_proj.weight"].float()
+    assert not torch.equal(moved, before.layers[0].mlp.down.weight.to(torch.bfloat16).float())
+    assert json.loads((out / "log.json").read_text())["config"]["train_embedding"] is False
+
+
 def test_a_bad_flag_value_is_one_line_of_error(dirs, tmp_path, capsys):
     from tokenmill.cli import main
 

@@ -58,6 +58,9 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--teacher-temperature", type=float, default=None,
                    help=f"--data teacher/chat: its sampling temperature, 0 greedy "
                    f"(default: {defaults.teacher_text.temperature})")
+    d.add_argument("--freeze-embedding", action="store_true",
+                   help="keep the student's embedding (and a tied LM head) as it is: a pruned student's is the "
+                   "teacher's")
     d.add_argument("--device", default="cpu", help="auto, cpu or cuda")
     d.add_argument("--cache-dir", default=None, help=option_fields(LoadConfig, only=("cache_dir",))[0].metadata["help"])
 
@@ -94,6 +97,8 @@ def distill_config(args: argparse.Namespace):
             "temperature": args.teacher_temperature}
     if any(v is not None for v in text.values()):
         options["teacher_text"] = {k: v for k, v in text.items() if v is not None}
+    if args.freeze_embedding:
+        options["train_embedding"] = False
     return DistillConfig.from_dict(options)
 
 

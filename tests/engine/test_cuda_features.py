@@ -111,3 +111,30 @@ def test_a_quantized_directory_generates_what_it_computes(tiny_src, device, tmp_
     same = sum(a == b for x, y in zip(got, on_cpu) for a, b in zip(x, y))
     assert same >= 0.75 * sum(map(len, on_cpu)), (same, got, on_cpu)
     assert next(llm.engine.runner.model.parameters()).device.type == device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_structured_pruning_and_distillation_run_on_the_device(tiny_src, device, tmp_path):
+    """Calibration (with the refit's second moments) and a few distillation steps on the device: the
+    pruned student keeps its new shape there and the distillation's loss stays finite."""
+    from tokenmill.distillation.config import DistillConfig
+    from tokenmill.distillation.distill import distill
+    from tokenmill.paths import default_cache_dir
+    from tokenmill.pruning.api import prune_model
+    from tokenmill.pruning.config import StructuredConfig
+    from tokenmill.quantization.api import load_float32
+
+    teacher = load_float32(str(tiny_src), torch.device(device), default_cache_dir())
+    student = load_float32(str(tiny_src), torch.device(device), default_cache_dir())
+    calibration = [list(range(i, i + 48)) for i in range(0, 160, 40)]
+    student.model, report = prune_model(student.model, StructuredConfig(intermediate_size=64, num_kv_heads=1),
+                                        calibration=calibration, progress=False)
+    student.config = student.model.config
+    assert student.model.layers[0].mlp.down.weight.shape == (64, 64)
+    assert student.model.layers[0].mlp.down.weight.device.type == device
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    config = DistillConfig(data=str(text), eval_tokens=0, batch_size=2, seq_len=32, train={"steps": 3, "lr": 1e-3})
+    result = distill(teacher, student, config, tmp_path / "kd", progress=False)
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in result.log["loss"])
+    assert (result.saved / "model.safetensors").exists()

@@ -190,6 +190,53 @@ def test_importance_keeps_what_matters(tiny_dir):
     assert best < 0.8 * worst
 
 
+def test_refit_columns_is_the_least_squares_fit():
+    """Undamped, the refit kept columns are what least squares gives for predicting X W^T from the
+    kept inputs; damped (the default) they still predict it better than the kept columns as they were."""
+    from tokenmill.pruning.structured import refit_columns
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 12, generator=g, dtype=torch.float64) @ torch.randn(12, 12, generator=g, dtype=torch.float64)
+    w = torch.randn(8, 12, generator=g, dtype=torch.float64)
+    keep = torch.tensor([0, 2, 3, 5, 8, 9, 11])
+    exact = refit_columns(w, x.T @ x, keep, damping=0.0)
+    expected = torch.linalg.lstsq(x[:, keep], x @ w.T).solution.T
+    assert torch.allclose(exact, expected, atol=1e-8)
+
+    def residual(cols):
+        return (x @ w.T - x[:, keep] @ cols.T).norm().item()
+
+    damped = refit_columns(w.float(), (x.T @ x).float(), keep)
+    assert damped.dtype == torch.float32 and damped.shape == (8, 7)
+    assert residual(damped.double()) < 0.7 * residual(w[:, keep])
+    assert torch.equal(refit_columns(w, x.T @ x, torch.arange(12)), w)  # nothing removed: nothing moves
+
+
+def test_refit_brings_the_pruned_model_closer_to_the_original(tiny_dir):
+    """Channels and heads removed, the refit o and down projections leave the outputs on held-out
+    text closer to the full model's than the kept columns as they were; the other tensors are the same."""
+    from tokenmill.models.export import canonical_tensors
+    from tokenmill.pruning.importance import measure_importance
+    from tokenmill.pruning.structured import shrink
+
+    model = load_tiny(tiny_dir).model
+    text = calibration(18, 64)  # the held-out sequences: the same kind of text as the calibration's
+    imp = measure_importance(model, text[:16], progress=False, moments=True)
+    assert len(imp.down_moments) == 4 and imp.down_moments[0].shape == (128, 128)
+    assert imp.o_moments[0].shape == (96, 96)
+    plain_imp = type(imp)(imp.block_influence, imp.heads, imp.channels)
+    shape = Shape(4, 2, 2, 64)
+    refit, plain = shrink(model, shape, imp), shrink(model, shape, plain_imp)
+    ids = text[16:]
+    full = torch.cat([prompt_logits(model, s) for s in ids])
+    err = [(torch.cat([prompt_logits(m, s) for s in ids]) - full).norm().item() for m in (refit, plain)]
+    assert err[0] < 0.9 * err[1], err
+    a, b = canonical_tensors(refit), canonical_tensors(plain)
+    assert a.keys() == b.keys()
+    changed = sorted({n.split(".", 2)[2] for n in a if not torch.equal(a[n], b[n])})
+    assert changed == ["attn.o.weight", "mlp.down.weight"]
+
+
 def test_plan_meets_the_budget_and_picks_the_lowest_loss(tiny_dir):
     model = load_tiny(tiny_dir).model
     full = parameter_count(model.config).non_embedding
@@ -231,6 +278,13 @@ def test_cli_prunes_a_directory_and_the_result_serves(tiny_dir, tmp_path, capsys
     llm = LLM(str(out), dtype="float32")
     text = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert len(text.outputs[0].token_ids) == 4
+    assert json.loads((out / "config.json").read_text())["pruning_config"]["refit"] is True
+    assert main(["prune", str(tiny_dir), "--method", "structured", "--intermediate-size", "64", "--no-refit",
+                 "--calibration-samples", "2", "--quality-tokens", "0", "--out", str(tmp_path / "plain")]) == 0
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["pruning_config"]["refit"] is False
+    assert main(["prune", str(tiny_dir), "--method", "wanda", "--sparsity", "0.5", "--no-refit",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--refit do(es) not apply to --method wanda" in capsys.readouterr().err
     assert main(["prune", str(tiny_dir), "--method", "wanda", "--out", str(tmp_path / "x")]) == 2
     assert "needs --sparsity" in capsys.readouterr().err
     assert main(["prune", str(tiny_dir), "--method", "wanda", "--sparsity", "0.5", "--num-layers", "2",

@@ -37,6 +37,9 @@ def add_prune_parser(sub) -> None:
     p.add_argument("--num-kv-heads", type=int, default=None, help="structured: KV groups kept per layer")
     p.add_argument("--heads-per-group", type=int, default=None, help="structured: q heads kept per KV group")
     p.add_argument("--intermediate-size", type=int, default=None, help="structured: FFN channels kept per layer")
+    p.add_argument("--no-refit", action="store_true",
+                   help="structured: keep the o and down projections' kept columns as they are (default: refit "
+                   "by least squares on the calibration inputs to what the removed heads and channels wrote)")
     p.add_argument("--calibration-samples", type=int, default=None, metavar="N",
                    help="calibration sequences of 512 tokens from the end of the corpus (default 32)")
     p.add_argument("--save-dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
@@ -71,7 +74,7 @@ def build_config(args: argparse.Namespace):
         options["num_samples"] = args.calibration_samples
     structured = {"target": args.target, "dims": args.dims, "num_layers": args.num_layers,
                   "num_kv_heads": args.num_kv_heads, "heads_per_group": args.heads_per_group,
-                  "intermediate_size": args.intermediate_size}
+                  "intermediate_size": args.intermediate_size, "refit": False if args.no_refit else None}
     unstructured = {"sparsity": args.sparsity, "scope": args.scope, "schedule_steps": args.schedule_steps}
     own, other = (structured, unstructured) if args.method == "structured" else (unstructured, structured)
     wrong = [f"--{k.replace('_', '-')}" for k, v in other.items() if v is not None]

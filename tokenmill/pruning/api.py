@@ -92,7 +92,7 @@ def _unstructured(run: Callable[..., dict]) -> Callable[..., tuple[CausalLM, dic
 
 
 def _structured(model: CausalLM, config: StructuredConfig, samples, progress: bool) -> tuple[CausalLM, dict]:
-    importance = measure_importance(model, samples, progress)
+    importance = measure_importance(model, samples, progress, moments=config.refit)
     extra: dict[str, Any] = {"sensitivity": importance.report(model.config.num_heads // model.config.num_kv_heads)}
     if config.target_params is not None:
         shape, entries = plan(model, config, importance, samples[:config.plan_samples], progress)

@@ -174,7 +174,8 @@ class StructuredConfig(PruneConfig):
     ``intermediate_size``, one head count). What each layer keeps is chosen by importance measured
     on calibration text: a channel's contribution ``mean |a_c| x ||W_down[:, c]||``, a head's
     ``mean ||o-projection of its output||``, a layer's block influence ``1 - cos(h_in, h_out)``
-    (ShortGPT).
+    (ShortGPT). With ``refit`` (the default) the o and down projections then keep not their old
+    columns but the least-squares fit, on the calibration inputs, of everything the layer wrote.
 
     Either ``target_params`` (a fraction of the non-embedding parameters, or a count), for which a
     plan picks the shapes among candidates by calibration loss over the dimensions in ``dims``, or
@@ -198,6 +199,9 @@ class StructuredConfig(PruneConfig):
     """The plan's FFN widths are multiples of this (what the kernels tile well)."""
     plan_samples: int = 4
     """Calibration sequences each candidate of the plan is scored on."""
+    refit: bool = True
+    """Refit the o and down projections' kept columns by least squares on the calibration inputs
+    (what the removed heads and channels wrote, moved onto the kept ones); False: kept as they are."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

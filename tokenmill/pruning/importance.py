@@ -9,6 +9,9 @@ One pass of the calibration sequences through the float model, with hooks:
     FFN channel c of layer i     mean |a_c| x ||W_down[:, c]||: the size of what the channel writes
                                  (a = act(gate) * up, the down projection's input)
 
+and, when asked (``moments=True``), the second moments sum x x^T of the o and down projections'
+inputs, from which structured pruning refits what those projections keep (``refit_columns``).
+
 The scores are per layer; structured pruning keeps, in every layer, the best-scoring heads and
 channels of that layer, with the same counts everywhere (HF configs hold one width).
 """
@@ -34,6 +37,10 @@ class Importance:
     """[num_layers, num_heads]: mean norm of each q head's contribution."""
     channels: torch.Tensor
     """[num_layers, intermediate_size]: mean contribution of each FFN channel."""
+    o_moments: list[torch.Tensor] | None = None
+    """Per layer, float64 [num_heads * head_dim]^2: sum over tokens of x x^T, x the o projection's input."""
+    down_moments: list[torch.Tensor] | None = None
+    """Per layer, float64 [intermediate_size]^2: the same for the down projection's input."""
 
     def kv_groups(self, heads_per_group: int) -> torch.Tensor:
         """[num_layers, num_kv_heads]: the sum of each GQA group's head scores."""
@@ -55,14 +62,19 @@ class Importance:
 
 
 @torch.inference_mode()
-def measure_importance(model: CausalLM, samples: list[list[int]], progress: bool = True) -> Importance:
-    """Run ``samples`` (token ids) through the model and score layers, heads and channels."""
+def measure_importance(model: CausalLM, samples: list[list[int]], progress: bool = True,
+                       moments: bool = False) -> Importance:
+    """Run ``samples`` (token ids) through the model and score layers, heads and channels (and with
+    ``moments``, sum the o and down projections' input second moments)."""
     cfg = model.config
     layers, n_heads, d = cfg.num_layers, cfg.num_heads, cfg.head_dim
     cos_sum = torch.zeros(layers, dtype=torch.float64)
     heads = torch.zeros(layers, n_heads, dtype=torch.float64)
     channels = torch.zeros(layers, cfg.intermediate_size, dtype=torch.float64)
     tokens = 0
+    o_moments = [torch.zeros(n_heads * d, n_heads * d, dtype=torch.float64) for _ in range(layers)] if moments else None
+    down_moments = ([torch.zeros(cfg.intermediate_size, cfg.intermediate_size, dtype=torch.float64)
+                     for _ in range(layers)] if moments else None)
     block_inputs: dict[int, torch.Tensor] = {}
     handles = []
 
@@ -74,20 +86,25 @@ def measure_importance(model: CausalLM, samples: list[list[int]], progress: bool
     def on_block_out(i):
         def hook(module, args, out):
             cos = torch.nn.functional.cosine_similarity(block_inputs.pop(i).float(), out.float(), dim=-1)
-            cos_sum[i] += cos.double().sum()
+            cos_sum[i] += cos.double().sum().cpu()  # the sums live on the CPU, the model anywhere
         return hook
 
     def on_o(i, w_o):
         def hook(module, args):
             x = args[0].float().reshape(-1, n_heads, d)
             per_head = torch.einsum("thd,ohd->tho", x, w_o)  # [T, heads, hidden]: each head's write
-            heads[i] += per_head.norm(dim=-1).double().sum(0)
+            heads[i] += per_head.norm(dim=-1).double().sum(0).cpu()
+            if o_moments is not None:
+                flat = x.reshape(x.shape[0], -1)
+                o_moments[i] += (flat.T @ flat).double().cpu()
         return hook
 
     def on_down(i, col_norms):
         def hook(module, args):
             a = args[0].float().reshape(-1, args[0].shape[-1])
-            channels[i] += (a.abs().sum(0) * col_norms).double()
+            channels[i] += (a.abs().sum(0) * col_norms).double().cpu()
+            if down_moments is not None:
+                down_moments[i] += (a.T @ a).double().cpu()
         return hook
 
     for i, block in enumerate(model.layers):
@@ -103,4 +120,5 @@ def measure_importance(model: CausalLM, samples: list[list[int]], progress: bool
     finally:
         for handle in handles:
             handle.remove()
-    return Importance([float(1 - c / tokens) for c in cos_sum], (heads / tokens).float(), (channels / tokens).float())
+    return Importance([float(1 - c / tokens) for c in cos_sum], (heads / tokens).float(), (channels / tokens).float(),
+                      o_moments, down_moments)

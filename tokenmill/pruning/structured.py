@@ -4,7 +4,10 @@
     parameter_count(cfg)         embedding and non-embedding parameters of a config (no model needed)
     shrink(model, shape, imp)    the smaller model: in every kept layer the best-scoring KV groups,
                                  heads and channels of that layer (:mod:`importance`), the layers
-                                 with the highest block influence, in their original order
+                                 with the highest block influence, in their original order; where
+                                 ``imp`` holds the inputs' second moments, the o and down
+                                 projections' kept columns refit to what the removed ones wrote
+    refit_columns(w, G, keep)    that refit: least squares on the calibration inputs
     plan(model, target, ...)     candidate shapes near a parameter budget, each shrunk and scored
                                  by its loss on calibration text; the lowest wins
 
@@ -94,10 +97,43 @@ def _top(scores: torch.Tensor, n: int) -> list[int]:
     return sorted(torch.topk(scores, n).indices.tolist())
 
 
+REFIT_DAMPING = 0.01
+"""lambda of :func:`refit_columns` as a fraction of the kept inputs' mean second moment (GPTQ's
+dampening): keeps the solve well posed where kept inputs are (nearly) collinear or silent."""
+
+
+def refit_columns(weight: torch.Tensor, moment: torch.Tensor, keep: torch.Tensor,
+                  damping: float = REFIT_DAMPING) -> torch.Tensor:
+    """The columns ``keep`` of ``weight`` [out, K], refit so that on inputs x with second moment
+    ``moment`` (sum x x^T, [K, K]) they predict the whole product W x best in least squares:
+
+        W' = W_S + W_R G_RS (G_SS + lambda I)^-1,   lambda = damping * mean diag G_SS
+
+    (S the kept columns, R the removed ones). The removed inputs' part of the output, the part
+    correlated with the kept inputs, moves onto them; at damping 0 this is the least-squares
+    solution exactly. Computed in float64, returned in ``weight``'s dtype."""
+    K = weight.shape[1]
+    keep = keep.to(torch.long).cpu()
+    removed = torch.ones(K, dtype=torch.bool)
+    removed[keep] = False
+    if not removed.any():
+        return weight[:, keep.to(weight.device)].clone()
+    drop = removed.nonzero().squeeze(1)
+    g = moment.to(torch.float64).cpu()
+    g_ss, g_sr = g[keep][:, keep], g[keep][:, drop]
+    lam = damping * g_ss.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
+    g_ss = g_ss + lam * torch.eye(len(keep), dtype=torch.float64)
+    w = weight.detach().to(device="cpu", dtype=torch.float64)
+    moved = torch.linalg.solve(g_ss, g_sr @ w[:, drop].T).T  # [out, |S|] = W_R G_RS (G_SS + lambda I)^-1
+    return (w[:, keep] + moved).to(device=weight.device, dtype=weight.dtype)
+
+
 @torch.no_grad()
 def shrink(model: CausalLM, shape: Shape, importance: Importance) -> CausalLM:
     """The model with ``shape``: each kept layer keeps its own best KV groups (by the sum of their
-    heads' scores), in each its best heads, and its best FFN channels. A new model; ``model`` is unchanged."""
+    heads' scores), in each its best heads, and its best FFN channels; with ``importance``'s second
+    moments, the o and down projections' kept columns are refit (:func:`refit_columns`). A new
+    model; ``model`` is unchanged."""
     cfg = model.config
     full = Shape.of(cfg)
     if (shape.num_layers > full.num_layers or shape.num_kv_heads > full.num_kv_heads
@@ -125,11 +161,13 @@ def shrink(model: CausalLM, shape: Shape, importance: Importance) -> CausalLM:
             elif part.startswith(("attn.k.", "attn.v.")):
                 t = t[kv_rows.to(t.device)]
             elif part == "attn.o.weight":
-                t = t[:, q_rows.to(t.device)]
+                t = (t[:, q_rows.to(t.device)] if importance.o_moments is None
+                     else refit_columns(t, importance.o_moments[old], q_rows))
             elif part.startswith(("mlp.gate.", "mlp.up.")):
                 t = t[channels.to(t.device)]
             elif part == "mlp.down.weight":
-                t = t[:, channels.to(t.device)]
+                t = (t[:, channels.to(t.device)] if importance.down_moments is None
+                     else refit_columns(t, importance.down_moments[old], channels))
             out[f"layers.{new}.{part}"] = t.clone()
     new_cfg = shape.config(cfg, layers)
     dtype = model.embed.weight.dtype

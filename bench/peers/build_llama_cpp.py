@@ -81,6 +81,28 @@ def _unpack(sdist: Path, into: Path) -> Path:
     return root
 
 
+def gguf_of_hf_dir(model_dir: Path, cache: Path = CACHE, outtype: str = "bf16") -> Path:
+    """An HF checkpoint directory (a draft that tokenmill pruned or distilled) as a GGUF file that
+    llama.cpp loads, written by llama.cpp's own converter (``convert_hf_to_gguf.py`` of the vendored
+    tree, with its ``gguf-py``) once, beside the directory's weights (``DIR.<outtype>.gguf``)."""
+    model_dir = Path(model_dir)
+    out = model_dir.with_name(f"{model_dir.name}.{outtype}.gguf")
+    weights = max((p.stat().st_mtime for p in model_dir.glob("*.safetensors")), default=0)
+    if out.is_file() and out.stat().st_mtime >= weights:
+        return out
+    source = _unpack(_download(cache), cache / "src") / "vendor" / "llama.cpp"
+    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
+    print(f"converting {model_dir} -> {out}", flush=True)
+    try:
+        subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(out),
+                        "--outtype", outtype], check=True, env=env, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir}: {exc.stderr[-2000:]}") from exc
+    except OSError as exc:
+        raise RuntimeError(f"convert_hf_to_gguf.py could not run: {exc}") from exc
+    return out
+
+
 def _cmake() -> str:
     found = shutil.which("cmake")
     if found:

@@ -3,11 +3,16 @@
 
     python bench/peers/spec_compare.py [--workloads copy code edit open] [--concurrencies 1,4]
                                        [--output-len 128] [--requests 8] [--llama-spec-type ngram-simple]
+                                       [--draft-model DIR]
 
     tokenmill off       tokenmill serve GGUF
     tokenmill ngram     tokenmill serve GGUF --speculative-method ngram
     llama.cpp off       llama-server -m GGUF -np S --cont-batching
     llama.cpp ngram     llama-server ... --spec-type ngram-simple (llama.cpp's prompt lookup)
+    with --draft-model DIR (an HF directory: a draft tokenmill pruned or distilled), also
+    tokenmill draft     tokenmill serve GGUF --speculative-method draft --draft-model DIR
+    llama.cpp draft     llama-server ... --spec-type draft-simple --spec-draft-model DIR.bf16.gguf (the same
+                        draft in bfloat16, converted once by llama.cpp's convert_hf_to_gguf.py)
 
 Each server runs alone (one at a time, never two sharing the cores) and is stopped after its
 sweep. Requests: the workload's prompt as one user message to /v1/chat/completions (each server
@@ -25,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from build_llama_cpp import gguf_of_hf_dir  # noqa: E402
 from serve_compare import RESULTS, Server, free_port, llama_server, running, served_model  # noqa: E402
 from speculative import WORKLOADS, prompt_texts  # noqa: E402
 
@@ -39,21 +45,30 @@ def conversations(tokenizer, workload: str, n: int, output_len: int, seed: int) 
             for t in prompt_texts(workload, n, seed)]
 
 
+def methods(args) -> list[str]:
+    return ["off", "ngram"] + (["draft"] if args.draft_model else [])
+
+
 def servers(args, gguf: Path) -> list[Server]:
     out = []
-    for spec in ("off", "ngram"):
+    for spec in methods(args):
         port = free_port()
         cmd = [sys.executable, "-m", "tokenmill", "serve", str(gguf), "--port", str(port), "--device", "cpu",
                "--max-num-seqs", str(args.slots)]
-        if spec == "ngram":
-            cmd += ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
+        if spec != "off":
+            cmd += ["--speculative-method", spec, "--num-speculative-tokens", str(args.k)]
+        if spec == "draft":
+            cmd += ["--draft-model", str(args.draft_model)]
         out.append(Server(f"tokenmill {spec}", cmd, port, "/ready"))
-    for spec in ("off", "ngram"):
+    for spec in methods(args):
         server = llama_server(argparse.Namespace(build=args.build, input_len=args.input_len,
                                                  output_len=args.output_len, slots=args.slots,
                                                  threads=args.threads), gguf)
         if spec == "ngram":
             server.command += ["--spec-type", args.llama_spec_type, "--spec-draft-n-max", str(args.k)]
+        if spec == "draft":
+            server.command += ["--spec-type", "draft-simple", "--spec-draft-model", str(gguf_of_hf_dir(args.draft_model)),
+                               "--spec-draft-n-max", str(args.k)]
         out.append(Server(f"llama.cpp {spec}", server.command, server.port, server.ready))
     return out
 
@@ -70,6 +85,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests per (workload, concurrency)")
     parser.add_argument("--k", type=int, default=4, help="most draft tokens per step, both servers")
     parser.add_argument("--llama-spec-type", default="ngram-simple")
+    parser.add_argument("--draft-model", type=Path, default=None,
+                        help="an HF directory (a draft tokenmill pruned or distilled): both servers also speculate "
+                        "with it")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600)
@@ -110,10 +128,13 @@ def main() -> None:
     for key in (f"{w} c={c}" for w in args.workloads for c in loads):
         got = {name: r.get(key, {}).get("tok_s") for name, r in results.items()}
         ratio = lambda a, b: f"x{got[a] / got[b]:.2f}" if got.get(a) and got.get(b) else "-"  # noqa: E731
+        specs = [m for m in methods(args) if m != "off"]
         rows.append([key, *(f"{got[n]:.1f}" if got.get(n) else "-" for n in results),
-                     ratio("tokenmill ngram", "tokenmill off"), ratio("llama.cpp ngram", "llama.cpp off"),
-                     ratio("tokenmill ngram", "llama.cpp ngram")])
-    header = ["workload", *results, "tokenmill spec/off", "llama.cpp spec/off", "tokenmill/llama.cpp spec"]
+                     *(ratio(f"{e} {m}", f"{e} off") for m in specs for e in ("tokenmill", "llama.cpp")),
+                     *(ratio(f"tokenmill {m}", f"llama.cpp {m}") for m in specs)])
+    specs = [m for m in methods(args) if m != "off"]
+    header = ["workload", *results, *(f"{e} {m}/off" for m in specs for e in ("tokenmill", "llama.cpp")),
+              *(f"tokenmill/llama.cpp {m}" for m in specs)]
     table = markdown_table(header, rows)
     print(f"\noutput tok/s, {args.output_len} tokens per request (EOS ignored), greedy, chat\n\n{table}")
     write_json({"kind": "spec_peers", "args": vars(args), "results": results}, stem.with_suffix(".json"))

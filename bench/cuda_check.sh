@@ -44,6 +44,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.get_device_name(), 'transformers', transformers.__version__)"
 MODEL=/tmp/smollm2-random
+random_model() {  # the SmolLM2-sized random checkpoint, made once (the smoke step makes it too)
+  [ -f $MODEL/config.json ] || timeout 60 python3 -c "import sys; sys.path.insert(0, 'bench'); \
+from pathlib import Path; from cuda_smoke import save_random_smollm2; save_random_smollm2(Path('$MODEL'))"
+}
 
 for step in $STEPS; do
   echo "=== $step $(date +%T)"
@@ -56,14 +60,12 @@ for step in $STEPS; do
       timeout 100 python3 bench/cuda_smoke.py --model-dir $MODEL --out "$OUT_DIR/cuda_smoke.json" 2>&1 \
         | grep -v "it/s\]" ;;
     offline)
-      [ -f $MODEL/config.json ] || timeout 60 python3 -c "import sys; sys.path.insert(0, 'bench'); \
-from pathlib import Path; from cuda_smoke import save_random_smollm2; save_random_smollm2(Path('$MODEL'))"
+      random_model
       timeout 130 python3 bench/offline_throughput.py --device cuda --model $MODEL --dtype bfloat16 \
         --num-requests 128 --max-batch 64 --output-range 16 256 --out "$OUT_DIR/offline_throughput.json" 2>&1 \
         | grep -v "it/s\]" ;;
     serve)
-      [ -f $MODEL/config.json ] || timeout 60 python3 -c "import sys; sys.path.insert(0, 'bench'); \
-from pathlib import Path; from cuda_smoke import save_random_smollm2; save_random_smollm2(Path('$MODEL'))"
+      random_model
       python3 -m tokenmill serve $MODEL --device cuda --port 8123 > "$OUT_DIR/serve.log" 2>&1 &
       server=$!
       for _ in $(seq 60); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done

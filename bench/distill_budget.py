@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.commands.distill import print_summary
 from tokenmill.device import resolve_device
 from tokenmill.distillation.config import DistillConfig
 from tokenmill.distillation.distill import _step_loss, distill
@@ -74,17 +75,11 @@ def main() -> None:
     print(f"probe: {per_step:.3f} s a step of {config.tokens_per_step:,} tokens -> {steps} steps "
           f"({steps * config.tokens_per_step:,} tokens) in a {args.seconds:.0f} s budget", flush=True)
     result = distill(teacher, student, config, args.out, cache_dir=cache)
-    ppl = result.perplexity
     budget = {"seconds_budget": args.seconds, "probe_seconds_per_step": per_step, "steps": steps,
-              "tokens_seen": result.tokens_seen, "wall_seconds": result.wall_seconds, "perplexity": ppl,
+              "tokens_seen": result.tokens_seen, "wall_seconds": result.wall_seconds, "perplexity": result.perplexity,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     (args.out / "budget.json").write_text(json.dumps(budget, indent=2))
-    if "eval_perplexity" in result.log:
-        print("perplexity while training: " + ", ".join(
-            f"{int(s)}: {p:.2f}" for s, p in zip(result.log["eval_step"], result.log["eval_perplexity"])))
-    print(f"perplexity on {args.eval_tokens} held-out tokens: teacher {ppl['teacher']:.3f}, student "
-          f"{ppl['student_before']:.3f} -> {ppl['student_after']:.3f}; {result.tokens_seen:,} tokens, "
-          f"{result.wall_seconds:.1f} s; wrote {result.saved}")
+    print_summary(result, config, args.out)
 
 
 if __name__ == "__main__":

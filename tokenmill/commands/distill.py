@@ -108,6 +108,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     config = distill_config(args)
     result = distill_models(args.teacher, args.student, config, args.out, device=args.device,
                             cache_dir=args.cache_dir)
+    print_summary(result, config, args.out)
+    return 0
+
+
+def print_summary(result, config, out) -> None:
+    """The run's perplexities (before, while and after), final losses, tokens and files."""
     ppl = result.perplexity
     if ppl["teacher"] is not None:
         print(f"perplexity on {config.eval_tokens} held-out tokens: teacher {ppl['teacher']:.3f}, student "
@@ -119,6 +125,5 @@ def cmd_distill(args: argparse.Namespace) -> int:
     print("final (mean of the last 10 steps): " + ", ".join(f"{k} {v:.4f}" for k, v in tail.items()))
     resumed = f", resumed at step {result.resumed_at}" if result.resumed_at else ""
     print(f"{config.train.steps} steps, {result.tokens_seen:,} tokens seen, {result.wall_seconds:.1f} s{resumed}")
-    print(f"wrote {result.saved} (the student), {args.out}/log.json"
+    print(f"wrote {result.saved} (the student), {out}/log.json"
           + (f", {result.plot}" if result.plot is not None else " (no loss.png: matplotlib is not installed)"))
-    return 0

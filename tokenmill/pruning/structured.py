@@ -35,6 +35,7 @@ from tokenmill.models.builder import build_model
 from tokenmill.models.export import canonical_tensors
 from tokenmill.pruning.config import StructuredConfig
 from tokenmill.pruning.importance import Importance
+from tokenmill.quantization.gptq import dampen_
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,7 @@ def refit_columns(weight: torch.Tensor, moment: torch.Tensor, keep: torch.Tensor
         return weight[:, keep.to(weight.device)].clone()
     drop = removed.nonzero().squeeze(1)
     g = moment.to(torch.float64).cpu()
-    g_ss, g_sr = g[keep][:, keep], g[keep][:, drop]
-    lam = damping * g_ss.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
-    g_ss = g_ss + lam * torch.eye(len(keep), dtype=torch.float64)
+    g_ss, g_sr = dampen_(g[keep][:, keep], damping), g[keep][:, drop]
     w = weight.detach().to(device="cpu", dtype=torch.float64)
     moved = torch.linalg.solve(g_ss, g_sr @ w[:, drop].T).T  # [out, |S|] = W_R G_RS (G_SS + lambda I)^-1
     return (w[:, keep] + moved).to(device=weight.device, dtype=weight.dtype)

@@ -23,7 +23,7 @@ from tokenmill.models.base import CausalLM
 from tokenmill.pruning.config import MagnitudeConfig, SparseGPTConfig, SparsityConfig, WandaConfig
 from tokenmill.pruning.masks import Part, apply_mask, lowest_mask, nm_mask, pattern_mask, prunable_parts
 from tokenmill.quantization.calibration import MeanSquareHooks
-from tokenmill.quantization.gptq import HessianHooks, padded_hessian, run_block
+from tokenmill.quantization.gptq import HessianHooks, dampen_, padded_hessian, run_block
 
 Masks = dict[str, torch.Tensor]
 
@@ -131,7 +131,7 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, fraction: float
     h = padded_hessian(hessian, k)
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
-    h += torch.eye(k, device=w.device) * damping * torch.mean(torch.diag(h))
+    dampen_(h, damping)
     h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     was_zero = w == 0
     keep = torch.ones_like(w, dtype=torch.bool)

@@ -59,10 +59,17 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     else:
         order = torch.arange(k, device=w.device)
     w, h = w[:, order], h[order][:, order]
-    h += torch.eye(k, device=w.device) * damping * torch.mean(torch.diag(h))
+    dampen_(h, damping)
     h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = _gptq_columns(w, h_inv, order, params, block_size)
     return q[:, torch.argsort(order)], params.scale, params.zero
+
+
+def dampen_(h: torch.Tensor, damping: float) -> torch.Tensor:
+    """``h`` (a square second-moment matrix) plus ``damping`` x its mean diagonal on the diagonal,
+    in place: GPTQ's dampening, which keeps a solve or Cholesky factor well posed."""
+    h.diagonal().add_(damping * h.diagonal().mean().clamp_min(torch.finfo(h.dtype).tiny))
+    return h
 
 
 def padded_hessian(hessian: torch.Tensor, k: int) -> torch.Tensor:

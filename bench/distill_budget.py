@@ -22,7 +22,7 @@ import torch
 from tokenmill.commands.distill import print_summary
 from tokenmill.device import resolve_device
 from tokenmill.distillation.config import DistillConfig
-from tokenmill.distillation.distill import _step_loss, distill
+from tokenmill.distillation.distill import distill, step_loss
 from tokenmill.paths import default_cache_dir
 from tokenmill.quantization.api import load_float32
 
@@ -39,7 +39,7 @@ def seconds_per_step(teacher, student, config: DistillConfig, device: torch.devi
     for _ in range(probes + 1):
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.train.mixed_precision):
-            loss, _ = _step_loss(teacher, student, None, batch, config)
+            loss, _ = step_loss(teacher, student, None, batch, config)
         loss.backward()
         sync()
         times.append(time.perf_counter() - start)

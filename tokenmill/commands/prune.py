@@ -41,7 +41,7 @@ def add_prune_parser(sub) -> None:
                    help="structured: keep the o and down projections' kept columns as they are (default: refit "
                    "by least squares on the calibration inputs to what the removed heads and channels wrote)")
     p.add_argument("--calibration-samples", type=int, default=None, metavar="N",
-                   help="calibration sequences of 512 tokens from the end of the corpus (default 32)")
+                   help="calibration sequences of 512 tokens from the end of the corpus (default 32; structured 128)")
     p.add_argument("--save-dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
                    help="dtype of the saved weights (default bfloat16)")
     p.add_argument("--quality-tokens", type=int, default=2048, metavar="N",

@@ -156,15 +156,15 @@ def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: lis
             return {"eval_step": step, "eval_perplexity": _perplexity(student, held_out)}
         return None
 
-    def step_loss(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, values = _step_loss(teacher, student, features, batch, config)
+    def batch_loss(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, values = step_loss(teacher, student, features, batch, config)
         if extra_loss is not None:
             more, more_values = extra_loss()
             loss = loss + more
             values.update(more_values)
         return loss, values
 
-    log = trainer.fit(batches, step_loss, after_step=after_step)
+    log = trainer.fit(batches, batch_loss, after_step=after_step)
     student.requires_grad_(False)
     return log
 
@@ -244,9 +244,10 @@ def _feature_transfer(teacher: CausalLM, student: CausalLM, config: DistillConfi
     return FeatureTransfer(pairs, student.config.hidden_size, teacher.config.hidden_size).to(device)
 
 
-def _step_loss(teacher: CausalLM, student: CausalLM, features: FeatureTransfer | None, batch: torch.Tensor,
+def step_loss(teacher: CausalLM, student: CausalLM, features: FeatureTransfer | None, batch: torch.Tensor,
                config: DistillConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """One micro-batch. The teacher runs under no_grad rather than inference_mode: the KL's backward
+    """One micro-batch's loss and its parts (what a step of :func:`distill` computes, also for timing a
+    step as ``bench/distill_budget.py`` does). The teacher runs under no_grad rather than inference_mode: the KL's backward
     saves the teacher's probabilities, and inference tensors cannot be saved for backward."""
     t_layers, s_layers = (features.teacher_layers, features.student_layers) if features is not None else ([], [])
     with torch.no_grad(), block_outputs(teacher, t_layers) as t_hidden:

@@ -186,6 +186,9 @@ class StructuredConfig(PruneConfig):
 
     method: ClassVar[str] = "structured"
 
+    num_samples: int = 128
+    """Calibration sequences. The refit's least-squares fits want many: on SmolLM2's half-size
+    shape, 128 instead of 32 took held-out perplexity from 107.8 to 92.3 (4x the calibration time)."""
     target_params: float | None = None
     """Non-embedding parameters to keep: a fraction (0 < f < 1) or a count (> 1)."""
     dims: tuple[str, ...] = STRUCTURED_DIMS

@@ -245,10 +245,11 @@ def _feature_transfer(teacher: CausalLM, student: CausalLM, config: DistillConfi
 
 
 def step_loss(teacher: CausalLM, student: CausalLM, features: FeatureTransfer | None, batch: torch.Tensor,
-               config: DistillConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """One micro-batch's loss and its parts (what a step of :func:`distill` computes, also for timing a
-    step as ``bench/distill_budget.py`` does). The teacher runs under no_grad rather than inference_mode: the KL's backward
-    saves the teacher's probabilities, and inference tensors cannot be saved for backward."""
+              config: DistillConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch's loss and its parts: what each step of :func:`distill` computes (and what
+    ``bench/distill_budget.py`` times). The teacher runs under no_grad rather than inference_mode:
+    the KL's backward saves the teacher's probabilities, and inference tensors cannot be saved for
+    backward."""
     t_layers, s_layers = (features.teacher_layers, features.student_layers) if features is not None else ([], [])
     with torch.no_grad(), block_outputs(teacher, t_layers) as t_hidden:
         t_logits = training_logits(teacher, batch)

@@ -13,6 +13,7 @@ import json
 
 from tokenmill.config import LoadConfig
 from tokenmill.options import option_fields
+from tokenmill.pruning.config import PruneConfig, StructuredConfig
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "structured")
 
@@ -41,7 +42,8 @@ def add_prune_parser(sub) -> None:
                    help="structured: keep the o and down projections' kept columns as they are (default: refit "
                    "by least squares on the calibration inputs to what the removed heads and channels wrote)")
     p.add_argument("--calibration-samples", type=int, default=None, metavar="N",
-                   help="calibration sequences of 512 tokens from the end of the corpus (default 32; structured 128)")
+                   help=f"calibration sequences of {PruneConfig.seq_len} tokens from the end of the corpus "
+                   f"(default {PruneConfig.num_samples}; structured {StructuredConfig.num_samples})")
     p.add_argument("--save-dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
                    help="dtype of the saved weights (default bfloat16)")
     p.add_argument("--quality-tokens", type=int, default=2048, metavar="N",

@@ -27,11 +27,29 @@ TOPICS = ["the water cycle", "how a bicycle works", "photosynthesis", "the Frenc
           "volcanoes", "the rules of chess", "healthy sleep habits", "how to bake bread", "the moon landing",
           "electric cars", "the immune system", "ancient Rome", "climate change", "how the internet works",
           "learning a new language", "the stock market", "honey bees", "the Pythagorean theorem", "recycling",
-          "jazz music", "time management", "the human heart", "earthquakes", "renewable energy", "coffee"]
+          "jazz music", "time management", "the human heart", "earthquakes", "renewable energy", "coffee",
+          "the Renaissance", "dinosaurs", "how a refrigerator works", "the water supply of a city",
+          "gardening", "the history of money", "coral reefs", "how rockets reach orbit",
+          "the Industrial Revolution", "public speaking", "the periodic table", "how credit cards work",
+          "ancient Egypt", "deserts", "the human skeleton", "first aid", "how search engines work",
+          "the Silk Road", "wolves", "probability", "how glass is made", "the American Civil War",
+          "meditation", "hurricanes", "how elections work", "the history of medicine", "octopuses",
+          "saving for retirement", "how a camera works", "the Ice Age", "personal budgeting",
+          "the printing of newspapers", "how wind turbines work", "nutrition labels", "the speed of light",
+          "how to write a resume", "mushrooms", "prime numbers", "cloud computing", "how cheese is made",
+          "sign language", "the theory of evolution", "penguins", "how to train a puppy",
+          "the ancient Greeks", "nuclear power", "the history of video games", "how a car engine works",
+          "urban planning", "the Cold War", "plate tectonics", "origami", "how soap works", "the Arctic",
+          "the history of the telephone", "databases", "how to negotiate a salary", "the Vikings",
+          "cryptography", "elephants", "how paper is made", "the Mayan civilization", "tornadoes",
+          "writing a novel", "robots", "the history of the bicycle", "the human eye", "composting",
+          "the invention of the telescope", "how a thermostat works", "the Aztecs", "sharks",
+          "the history of photography", "board games", "how antibiotics work", "the Sahara"]
 EVAL_TOPICS = ["the solar system", "how airplanes fly", "the Roman alphabet", "ocean tides", "public libraries",
                "the Olympic games", "rainforests", "how batteries work", "the Great Wall of China", "tea",
                "the human brain", "bridges", "migratory birds", "the metric system", "snowflakes", "chocolate"]
-"""Topics of the held-out prompts: none of them is in TOPICS."""
+"""Topics of the held-out prompts: none of them is in TOPICS, nor a subject close to one of
+those (the training topics were chosen to leave these out: no tides, aviation or rainforest)."""
 TASKS = ["Explain {topic} to a curious twelve-year-old.", "Write a short poem about {topic}.",
          "Give five practical tips related to {topic}.", "Write a short story that involves {topic}.",
          "What are the most common misconceptions about {topic}?", "Summarise the key facts about {topic}.",

@@ -48,8 +48,9 @@ TOPICS = ["the water cycle", "how a bicycle works", "photosynthesis", "the Frenc
 EVAL_TOPICS = ["the solar system", "how airplanes fly", "the Roman alphabet", "ocean tides", "public libraries",
                "the Olympic games", "rainforests", "how batteries work", "the Great Wall of China", "tea",
                "the human brain", "bridges", "migratory birds", "the metric system", "snowflakes", "chocolate"]
-"""Topics of the held-out prompts: none of them is in TOPICS, nor a subject close to one of
-those (the training topics were chosen to leave these out: no tides, aviation or rainforest)."""
+"""Topics of the held-out prompts: none of them is in TOPICS, and no training topic is the same
+subject under other words (no tides, aviation, rainforests or the Mongols); neighbouring subjects
+remain (telescopes and rockets beside the solar system, the eye beside the brain)."""
 TASKS = ["Explain {topic} to a curious twelve-year-old.", "Write a short poem about {topic}.",
          "Give five practical tips related to {topic}.", "Write a short story that involves {topic}.",
          "What are the most common misconceptions about {topic}?", "Summarise the key facts about {topic}.",

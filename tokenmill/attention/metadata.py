@@ -51,8 +51,10 @@ class PagedAttentionMetadata:
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Absolute position of every new token, [T]."""
-        parts = [torch.arange(c - self.query_len(i), c) for i, c in enumerate(self.context_lens)]
-        return torch.cat(parts).to(device)
+        positions: list[int] = []
+        for i, c in enumerate(self.context_lens):  # one tensor from a list: an arange per sequence
+            positions.extend(range(c - self.query_len(i), c))  # and a cat cost 2 us a sequence
+        return torch.tensor(positions, dtype=torch.long, device=device)
 
     def last_token_indices(self) -> list[int]:
         """Index in the flat batch of each sequence's last new token (where its next token is sampled)."""

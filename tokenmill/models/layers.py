@@ -122,17 +122,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(medium, smoothed, scaled)
 
 
+ROPE_TABLE_POSITIONS = 8192
+"""Positions below this read RoPE's (cos, sin) from a table computed once (on CPU); later ones
+are computed per step."""
+
+
 class Rotary(nn.Module):
-    """Rotate-half (NeoX) RoPE. ``forward`` turns positions [T] into (cos, sin) [T, head_dim]."""
+    """Rotate-half (NeoX) RoPE. ``forward`` turns positions [T] into (cos, sin) [T, head_dim].
+
+    On CPU, positions below ``ROPE_TABLE_POSITIONS`` are looked up in a table of the same values
+    (the same elementwise operations over positions 0..n-1, n grown by powers of two as positions
+    reach it): computing them took 5 operations, about 40 us, of every decode step."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.device.type == "cpu" and self.inv_freq.device.type == "cpu" and positions.numel():
+            end = int(positions.max()) + 1
+            if end <= ROPE_TABLE_POSITIONS:
+                cos, sin = self._table(end, dtype)
+                return cos.index_select(0, positions), sin.index_select(0, positions)
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _table(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < end:
+            n = min(ROPE_TABLE_POSITIONS, max(256, 1 << (end - 1).bit_length()))
+            table = self._tables[dtype] = self._compute(torch.arange(n), dtype)
+        return table
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,13 +19,13 @@ from tests.model_utils import prompt_logits, save_byte_tokenizer  # noqa: E402
 from tests.quantization.helpers import tiny_loaded  # noqa: E402
 from tokenmill.distillation import distill as distill_module  # noqa: E402
 from tokenmill.distillation.config import DistillConfig  # noqa: E402
-from tokenmill.distillation.data import TEACHER_TEXT, training_tokens  # noqa: E402
+from tokenmill.distillation.data import TEACHER_TEXT, training_data, training_tokens  # noqa: E402
 from tokenmill.distillation.distill import distill, distill_models  # noqa: E402
 from tokenmill.distillation.losses import distill_loss, evenly_spaced_pairs, total_variation  # noqa: E402
 from tokenmill.errors import InvalidParameterError  # noqa: E402
 from tokenmill.eval.prompts import chat_prompts  # noqa: E402
 from tokenmill.quantization.linear import Int4Linear  # noqa: E402
-from tokenmill.quantization.qat import training_logits  # noqa: E402
+from tokenmill.quantization.qat import sample_batches, training_logits  # noqa: E402
 from tokenmill.training.trainer import CHECKPOINT  # noqa: E402
 
 VOCAB = 320
@@ -247,6 +247,67 @@ def test_the_chat_mode_trains_on_the_teachers_greedy_answers_to_chat_prompts(dir
     assert logits[n - 1:n - 1 + len(answer)].argmax(-1).tolist() == answer
 
 
+def test_chat_data_trains_on_the_answers_alone(dirs, tmp_path):
+    """completion_only (chat's default): the mask marks exactly the tokens after each prompt, a
+    teacher text written before prompt lengths were recorded gets them from its prompts, and
+    one written for other prompts is refused rather than masked wrongly."""
+    config = _config(2, data="chat", teacher_text={"sequences": 3, "max_tokens": 10, "temperature": 0.0,
+                                                   "passage_chars": 100})
+    assert config.completion_only and not dataclasses.replace(config, completion_only=False).completion_only
+    teacher = tiny_loaded(dirs["teacher"])
+    result = distill(teacher, tiny_loaded(dirs["student"]), config, tmp_path, progress=False)
+    record = json.loads((tmp_path / TEACHER_TEXT).read_text())
+    prompts = chat_prompts(teacher.tokenizer, 3, config.seed, passage_chars=100)
+    assert record["prompt_lens"] == [len(p) for p in prompts]
+    ids, trained = training_data(config, teacher, tmp_path)
+    expected = [t for s, p in zip(record["sequences"], prompts) for t in [False] * len(p) + [True] * (len(s) - len(p))]
+    assert trained == expected and len(ids) == len(trained) and 0 < sum(trained) < len(trained)
+    assert all(0 <= a <= 1 for a in result.log["acceptance"])
+    del record["prompt_lens"]  # an older teacher text: the prompts these settings give are checked against it
+    (tmp_path / TEACHER_TEXT).write_text(json.dumps(record))
+    assert training_data(config, teacher, tmp_path)[1] == expected
+    record["sequences"][1] = record["sequences"][1][1:]
+    (tmp_path / TEACHER_TEXT).write_text(json.dumps(record))
+    with pytest.raises(InvalidParameterError, match="completion_only=False"):
+        training_data(config, teacher, tmp_path)
+    assert training_data(dataclasses.replace(config, completion_only=False), teacher, tmp_path)[1] is None
+
+
+def test_masked_positions_do_not_count():
+    """A position outside the mask changes no term of the loss; an all-true mask is no mask."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (2, 6), generator=g)
+    student, teacher = torch.randn(2, 6, 50, generator=g), torch.randn(2, 6, 50, generator=g) * 3
+    mask = torch.tensor([[False, False, True, True, True, False], [True, True, False, False, True, True]])
+    for objective in ("kd", "acceptance"):
+        config = DistillConfig(objective=objective)
+        loss, values = distill_loss(student, teacher, ids, config, trained=mask)
+        other_teacher, other_ids = teacher.clone(), ids.clone()
+        other_teacher[~mask] = torch.randn(int((~mask).sum()), 50, generator=g) * 3
+        other_ids[0, 1] = (ids[0, 1] + 1) % 50  # the next token of a masked position
+        other_loss, other_values = distill_loss(student, other_teacher, other_ids, config, trained=mask)
+        assert torch.allclose(loss, other_loss) and values == pytest.approx(other_values)
+        other_teacher[0, 2] += 5 * torch.randn(50, generator=g)  # a trained position: it counts
+        assert not torch.allclose(distill_loss(student, other_teacher, ids, config, trained=mask)[0], loss)
+        full, full_values = distill_loss(student, teacher, ids, config, trained=torch.ones_like(mask))
+        plain, plain_values = distill_loss(student, teacher, ids, config)
+        assert torch.allclose(full, plain) and full_values == pytest.approx(plain_values)
+    zero, _ = distill_loss(student, teacher, ids, DistillConfig(), trained=torch.zeros_like(mask))
+    assert zero.item() == 0.0  # a window with nothing to train on: no loss, no NaN
+
+
+def test_masked_windows_are_the_same_windows():
+    ids = list(range(100, 400))
+    trained = [i % 7 < 3 for i in range(len(ids))]
+    plain = list(sample_batches(ids, 3, 2, 16, seed=4, device=torch.device("cpu")))
+    masked = list(sample_batches(ids, 3, 2, 16, seed=4, device=torch.device("cpu"), trained=trained))
+    for windows, (same, mask) in zip(plain, masked):
+        assert torch.equal(windows, same) and mask.dtype == torch.bool and mask.shape == windows.shape
+        # position j of a window: whether the token after it is trained on (the stream's last: never)
+        for row, mrow in zip(windows.tolist(), mask.tolist()):
+            assert mrow == [i + 1 - 100 < len(ids) and trained[i + 1 - 100] for i in row]
+
+
 def test_quantization_aware_distillation_saves_a_quantized_student_that_loads(dirs, tmp_path):
     from tokenmill.loader import load_model
 
@@ -273,6 +334,18 @@ def test_the_distill_command_runs_and_prints_a_summary(dirs, tmp_path, capsys):
     assert "perplexity on 64 held-out tokens: teacher" in printed and "32 tokens seen" in printed
     assert f"wrote {out / 'student'}" in printed
     assert (out / "student" / "model.safetensors").exists() and (out / "log.json").exists()
+
+
+def test_the_completion_only_flag():
+    from tokenmill.cli import build_parser
+    from tokenmill.commands.distill import distill_config
+
+    base = ["distill", "--teacher", "t", "--student", "s", "--out", "o"]
+    parse = build_parser().parse_args
+    assert distill_config(parse(base + ["--data", "chat"])).completion_only
+    assert not distill_config(parse(base + ["--data", "chat", "--no-completion-only"])).completion_only
+    with pytest.raises(InvalidParameterError, match="completion_only needs data='chat'"):
+        distill_config(parse(base + ["--completion-only"]))
 
 
 def test_freeze_embedding_keeps_the_students_embedding(dirs, tmp_path):
@@ -326,7 +399,8 @@ def test_a_student_with_another_vocabulary_is_refused(dirs, tmp_path, capsys):
     ({"kd_weight": 0.0, "ce_weight": 0.0}, "nothing to train"), ({"qat": 48}, "group_size"),
     ({"qat": {"group_size": 32, "steps": 5}}, "unknown key.*steps"), ({"feature_layers": [[0, -1]]}, "feature_layers"),
     ({"teacher_text": {"sequences": 0}}, "sequences"), ({"eval_every": 5, "eval_tokens": 0}, "eval_every"),
-    ({"learning_rate": 1e-4}, "unknown key.*learning_rate")])
+    ({"learning_rate": 1e-4}, "unknown key.*learning_rate"), ({"completion_only": True}, "completion_only.*chat"),
+    ({"completion_only": "yes"}, "completion_only")])
 def test_the_config_rejects_bad_values_naming_the_field(data, match):
     with pytest.raises(InvalidParameterError, match=match):
         DistillConfig.from_dict(data)
@@ -336,5 +410,8 @@ def test_the_config_round_trips_through_its_dict():
     config = DistillConfig(objective="acceptance", qat={"group_size": 32}, feature_weight=0.5,
                            feature_layers=[[0, 1], [1, 3]], teacher_text={"sequences": 8}, train={"steps": 7})
     assert DistillConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    chat = DistillConfig(data="chat")
+    assert chat.completion_only and not DistillConfig().completion_only
+    assert DistillConfig.from_dict(json.loads(json.dumps(chat.to_dict()))) == chat
     assert config.feature_layers == ((0, 1), (1, 3)) and config.qat.group_size == 32
     assert config.train.steps == 7 and config.train.lr == DistillConfig().train.lr == 1e-4  # the rest: the defaults

@@ -58,6 +58,9 @@ def add_distill_parser(sub) -> None:
     d.add_argument("--teacher-temperature", type=float, default=None,
                    help=f"--data teacher/chat: its sampling temperature, 0 greedy "
                    f"(default: {defaults.teacher_text.temperature})")
+    d.add_argument("--completion-only", action=argparse.BooleanOptionalAction, default=None,
+                   help="--data chat: train only on the positions whose next token the teacher wrote (its "
+                   "answers), not on the prompts it answered (default: on for chat)")
     d.add_argument("--freeze-embedding", action="store_true",
                    help="keep the student's embedding (and a tied LM head) as it is: a pruned student's is the "
                    "teacher's")
@@ -99,6 +102,8 @@ def distill_config(args: argparse.Namespace):
         options["teacher_text"] = {k: v for k, v in text.items() if v is not None}
     if args.freeze_embedding:
         options["train_embedding"] = False
+    if args.completion_only is not None:
+        options["completion_only"] = args.completion_only
     return DistillConfig.from_dict(options)
 
 

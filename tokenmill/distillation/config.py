@@ -102,6 +102,11 @@ class DistillConfig:
     prompts: a draft model's data) or the path of a UTF-8 text file."""
     teacher_text: TeacherTextConfig = field(default_factory=TeacherTextConfig)
     """What the teacher writes when ``data`` is ``teacher`` or ``chat``."""
+    completion_only: bool | None = None
+    """Train only on the positions whose next token the teacher wrote (its answers and their
+    EOS), not on the chat prompts and passages it answered (TRL's completion-only loss): a draft
+    is verified on the target's answers, and a prompt's passage is text the teacher did not
+    choose. Only ``data="chat"`` has prompts; None: True there, False for every other text."""
     qat: QATConfig | None = None
     """Quantization-aware distillation: the student trains through fake-quantized weights (qat.py)
     and is converted at the end. Given as a QATConfig, an int (the INT4 group size) or a dict of
@@ -149,6 +154,14 @@ class DistillConfig:
         if not isinstance(self.data, str) or not self.data:
             raise InvalidParameterError(f"DistillConfig.data must be {' or '.join(DATA_SOURCES)} or a text file's "
                                         f"path, got {self.data!r}")
+        if self.completion_only is None:
+            set_(self, "completion_only", self.data == "chat")
+        if not isinstance(self.completion_only, bool):
+            raise InvalidParameterError(f"DistillConfig.completion_only must be true, false or None, "
+                                        f"got {self.completion_only!r}")
+        if self.completion_only and self.data != "chat":
+            raise InvalidParameterError(f"DistillConfig.completion_only needs data='chat' (the only text with "
+                                        f"prompts apart from answers), got data={self.data!r}")
         for name in ("batch_size", "seq_len"):
             _check(name, isinstance(getattr(self, name), int) and getattr(self, name) > 0, "a positive integer")
         _check("seq_len", self.seq_len >= 2, "at least 2")

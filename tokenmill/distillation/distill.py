@@ -36,7 +36,7 @@ from torch import nn
 
 from tokenmill.device import resolve_device
 from tokenmill.distillation.config import DistillConfig
-from tokenmill.distillation.data import training_tokens
+from tokenmill.distillation.data import training_data
 from tokenmill.distillation.losses import FeatureTransfer, block_outputs, distill_loss, evenly_spaced_pairs
 from tokenmill.errors import InvalidParameterError
 from tokenmill.eval.corpus import fetch_corpus, read_tokens
@@ -101,9 +101,9 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
     cache = Path(cache_dir) if cache_dir else None
     held_out = read_tokens(teacher.tokenizer, fetch_corpus(cache), config.eval_tokens) if config.eval_tokens else None
     scores = {"teacher": _perplexity(teacher.model, held_out), "student_before": _perplexity(student.model, held_out)}
-    ids = training_tokens(config, teacher, out, cache, progress)
+    ids, trained = training_data(config, teacher, out, cache, progress)
 
-    log = _train(teacher.model, student.model, config, ids, out, progress, held_out, extra_loss)
+    log = _train(teacher.model, student.model, config, ids, out, progress, held_out, extra_loss, trained)
     if config.qat is not None:
         convert_qat(student.model, config.qat, progress)
     else:
@@ -133,9 +133,11 @@ def distill_models(teacher: str | os.PathLike, student: str | os.PathLike, confi
 # --------------------------------------------------------------------------- checks and parts
 
 def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: list[int], out: Path,
-           progress: bool, held_out: list[int] | None = None, extra_loss: ExtraLoss | None = None) -> TrainLog:
+           progress: bool, held_out: list[int] | None = None, extra_loss: ExtraLoss | None = None,
+           trained: list[bool] | None = None) -> TrainLog:
     """Prepare the student (masks of its zeros, fake quantization, projections) and run the trainer;
-    every ``config.eval_every`` steps the student's perplexity on ``held_out`` joins the log."""
+    every ``config.eval_every`` steps the student's perplexity on ``held_out`` joins the log.
+    ``trained``: per token of ``ids``, whether it is trained on (completion-only); None: all."""
     masks = sparsity_masks(student) if config.keep_sparsity else []
     if config.qat is not None:
         prepare_qat(student, config.qat, getattr(torch, config.save_dtype))
@@ -148,7 +150,7 @@ def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: lis
         modules["features"] = features
     trainer = Trainer(modules, config.train, out, desc="distill", progress=progress)
     batches = sample_batches(ids, config.train.steps * config.train.grad_accum, config.batch_size, config.seq_len,
-                             config.seed, student.embed.weight.device)
+                             config.seed, student.embed.weight.device, trained)
 
     def after_step(step: int) -> dict[str, float] | None:
         reapply(masks)
@@ -156,8 +158,9 @@ def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: lis
             return {"eval_step": step, "eval_perplexity": _perplexity(student, held_out)}
         return None
 
-    def batch_loss(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, values = step_loss(teacher, student, features, batch, config)
+    def batch_loss(batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        ids, mask = batch if trained is not None else (batch, None)
+        loss, values = step_loss(teacher, student, features, ids, config, mask)
         if extra_loss is not None:
             more, more_values = extra_loss()
             loss = loss + more
@@ -245,9 +248,10 @@ def _feature_transfer(teacher: CausalLM, student: CausalLM, config: DistillConfi
 
 
 def step_loss(teacher: CausalLM, student: CausalLM, features: FeatureTransfer | None, batch: torch.Tensor,
-              config: DistillConfig) -> tuple[torch.Tensor, dict[str, float]]:
+              config: DistillConfig, trained: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's loss and its parts: what each step of :func:`distill` computes (and what
-    ``bench/distill_budget.py`` times). The teacher runs under no_grad rather than inference_mode:
+    ``bench/distill_budget.py`` times); ``trained``: the positions that count (completion-only),
+    None: all. The teacher runs under no_grad rather than inference_mode:
     the KL's backward saves the teacher's probabilities, and inference tensors cannot be saved for
     backward."""
     t_layers, s_layers = (features.teacher_layers, features.student_layers) if features is not None else ([], [])
@@ -256,7 +260,7 @@ def step_loss(teacher: CausalLM, student: CausalLM, features: FeatureTransfer | 
     with block_outputs(student, s_layers) as s_hidden:
         s_logits = training_logits(student, batch)
     feature = features(s_hidden, t_hidden) if features is not None else None
-    return distill_loss(s_logits, t_logits, batch, config, feature)
+    return distill_loss(s_logits, t_logits, batch, config, feature, trained)
 
 
 def _perplexity(model: CausalLM, ids: list[int] | None) -> float | None:

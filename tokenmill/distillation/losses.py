@@ -26,22 +26,35 @@ from tokenmill.distillation.config import DistillConfig
 from tokenmill.models.base import CausalLM
 
 
-def soft_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """student, teacher [N, V] logits -> T^2 * mean over rows of KL(softmax(teacher / T) || softmax(student / T))."""
+def soft_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """student, teacher [N, V] logits -> T^2 * mean over rows of KL(softmax(teacher / T) || softmax(student / T))
+    (``weights`` [N]: the rows' weighted mean)."""
     logp = F.log_softmax(student / temperature, dim=-1)
     target = F.log_softmax(teacher / temperature, dim=-1)
-    return F.kl_div(logp, target, log_target=True, reduction="batchmean") * temperature ** 2
+    if weights is None:
+        return F.kl_div(logp, target, log_target=True, reduction="batchmean") * temperature ** 2
+    rows = F.kl_div(logp, target, log_target=True, reduction="none").sum(-1)
+    return weighted_mean(rows, weights) * temperature ** 2
 
 
-def total_variation(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+def total_variation(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """student, teacher [N, V] logits -> mean over rows of 1 - sum_v min(p_teacher, p_student)."""
     overlap = torch.minimum(F.softmax(student, dim=-1), F.softmax(teacher, dim=-1)).sum(-1)
-    return (1 - overlap).mean()
+    return weighted_mean(1 - overlap, weights)
 
 
-def argmax_agreement(student: torch.Tensor, teacher: torch.Tensor) -> float:
+def argmax_agreement(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor | None = None) -> float:
     """Fraction of rows whose argmax is the same in both [N, V] logits."""
-    return (student.argmax(-1) == teacher.argmax(-1)).float().mean().item()
+    return weighted_mean((student.argmax(-1) == teacher.argmax(-1)).float(), weights).item()
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """values [N] -> their mean, or with ``weights`` [N] their weighted mean (0 where every weight is 0)."""
+    if weights is None:
+        return values.mean()
+    weights = weights.to(values.dtype)
+    return (values * weights).sum() / weights.sum().clamp(min=1)
 
 
 @contextmanager
@@ -95,24 +108,33 @@ class FeatureTransfer(nn.Module):
 
 
 def distill_loss(student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor, config: DistillConfig,
-                 feature: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 feature: torch.Tensor | None = None,
+                 trained: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Logits [B, S, V] of both models on ids [B, S] (and the feature loss, when transferring)
     -> (the loss ``config`` optimizes, {kd, tvd, ce, acceptance[, feature]} for the log).
 
     The distribution terms cover every position; the text's next-token cross entropy the first
-    S - 1. Terms the objective does not optimize are computed on detached logits (logged, no graph)."""
+    S - 1. ``trained`` [B, S] (bool): only the positions it marks count (completion-only
+    training: those whose next token the teacher wrote). Terms the objective does not optimize
+    are computed on detached logits (logged, no graph)."""
     v = student.shape[-1]
     s_rows, t_rows = student.reshape(-1, v), teacher.reshape(-1, v)
+    rows = None if trained is None else trained.reshape(-1)
     kd_objective = config.objective == "kd"
-    kd = soft_kl(s_rows if kd_objective else s_rows.detach(), t_rows, config.temperature)
-    tvd = total_variation(s_rows.detach() if kd_objective else s_rows, t_rows)
-    ce = F.cross_entropy((student if kd_objective else student.detach())[:, :-1].reshape(-1, v),
-                         ids[:, 1:].reshape(-1))
-    values = {"kd": kd.item(), "tvd": tvd.item(), "ce": ce.item(), "acceptance": argmax_agreement(s_rows, t_rows)}
+    kd = soft_kl(s_rows if kd_objective else s_rows.detach(), t_rows, config.temperature, rows)
+    tvd = total_variation(s_rows.detach() if kd_objective else s_rows, t_rows, rows)
+    text_logits = (student if kd_objective else student.detach())[:, :-1].reshape(-1, v)
+    if trained is None:
+        ce = F.cross_entropy(text_logits, ids[:, 1:].reshape(-1))
+    else:
+        ce = weighted_mean(F.cross_entropy(text_logits, ids[:, 1:].reshape(-1), reduction="none"),
+                           trained[:, :-1].reshape(-1))
+    values = {"kd": kd.item(), "tvd": tvd.item(), "ce": ce.item(),
+              "acceptance": argmax_agreement(s_rows, t_rows, rows)}
     if kd_objective:
         loss = config.kd_weight * kd + config.ce_weight * ce
     else:
-        ce_argmax = F.cross_entropy(s_rows, t_rows.argmax(-1))
+        ce_argmax = weighted_mean(F.cross_entropy(s_rows, t_rows.argmax(-1), reduction="none"), rows)
         loss = config.kd_weight * tvd + config.ce_weight * ce_argmax
         values["ce_argmax"] = ce_argmax.item()
     if feature is not None:

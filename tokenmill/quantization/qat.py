@@ -312,16 +312,22 @@ def training_ids(tokenizer: Any, cache_dir: Path | None = None) -> list[int]:
 
 
 def sample_batches(ids: list[int], count: int, batch_size: int, seq_len: int, seed: int,
-                   device: torch.device) -> Iterator[torch.Tensor]:
-    """``count`` batches [batch_size, seq_len] of windows at seeded random offsets of ``ids``."""
+                   device: torch.device, trained: list[bool] | None = None) -> Iterator[Any]:
+    """``count`` batches [batch_size, seq_len] of windows at seeded random offsets of ``ids``.
+    With ``trained`` (one flag per token of ``ids``): (windows, mask) pairs, the bool mask
+    [batch_size, seq_len] true where the position's next token is a trained one (the same
+    windows as without it)."""
     if len(ids) < seq_len:
         raise InvalidParameterError(f"training needs at least seq_len = {seq_len} tokens, got {len(ids)}")
     data = torch.tensor(ids, dtype=torch.long)
+    next_trained = None if trained is None else torch.tensor(list(trained[1:]) + [False], dtype=torch.bool)
     g = torch.Generator().manual_seed(seed)
     span = torch.arange(seq_len)
     for _ in range(count):
         starts = torch.randint(0, len(ids) - seq_len + 1, (batch_size,), generator=g)
-        yield data[starts[:, None] + span].to(device)
+        index = starts[:, None] + span
+        windows = data[index].to(device)
+        yield windows if next_trained is None else (windows, next_trained[index].to(device))
 
 
 @dataclass

@@ -75,14 +75,19 @@ class _Registrations:
     ``_parameters`` directly bypasses the hooks and is not seen."""
 
     count = 0
+    installed = False
 
     @classmethod
-    def bump(cls, *_args) -> None:
+    def install(cls) -> None:
+        """Start counting (once per process, when the first stack is built: none needs the count before)."""
+        if not cls.installed:
+            torch.nn.modules.module.register_module_module_registration_hook(cls.bump)
+            torch.nn.modules.module.register_module_parameter_registration_hook(cls.bump)
+            cls.installed = True
+
+    @classmethod
+    def bump(cls, *_args) -> None:  # returns None: the hooks leave what is registered as it is
         cls.count += 1
-
-
-torch.nn.modules.module.register_module_module_registration_hook(_Registrations.bump)
-torch.nn.modules.module.register_module_parameter_registration_hook(_Registrations.bump)
 
 def mlp_linears(mlp: nn.Module) -> list[nn.Module]:
     """The linear modules of a block's MLP, in the stack's order: gate_up and down of a gated MLP;
@@ -133,6 +138,7 @@ class FusedDecoder:
         self._stats_offsets = (torch.arange(len(self.moe)) * self.moe[0].spec.num_experts).view(-1, 1, 1) \
             if self.moe else None
         """Row m of the step's expert ids offset by m * E: one bincount counts every layer."""
+        _Registrations.install()
         self._checked_at = -1
         """``_Registrations.count`` when the model last held this stack's modules (``_walk``)."""
         self._lora_stacks: tuple[int, int] | None = None

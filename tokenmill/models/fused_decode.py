@@ -89,6 +89,7 @@ class _Registrations:
     def bump(cls, *_args) -> None:  # returns None: the hooks leave what is registered as it is
         cls.count += 1
 
+
 def mlp_linears(mlp: nn.Module) -> list[nn.Module]:
     """The linear modules of a block's MLP, in the stack's order: gate_up and down of a gated MLP;
     of an MoE, each expert's, then the shared expert's."""

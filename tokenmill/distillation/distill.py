@@ -159,8 +159,8 @@ def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: lis
         return None
 
     def batch_loss(batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        ids, mask = batch if trained is not None else (batch, None)
-        loss, values = step_loss(teacher, student, features, ids, config, mask)
+        windows, mask = batch if trained is not None else (batch, None)
+        loss, values = step_loss(teacher, student, features, windows, config, mask)
         if extra_loss is not None:
             more, more_values = extra_loss()
             loss = loss + more

@@ -32,8 +32,6 @@ def soft_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
     (``weights`` [N]: the rows' weighted mean)."""
     logp = F.log_softmax(student / temperature, dim=-1)
     target = F.log_softmax(teacher / temperature, dim=-1)
-    if weights is None:
-        return F.kl_div(logp, target, log_target=True, reduction="batchmean") * temperature ** 2
     rows = F.kl_div(logp, target, log_target=True, reduction="none").sum(-1)
     return weighted_mean(rows, weights) * temperature ** 2
 
@@ -124,11 +122,8 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor
     kd = soft_kl(s_rows if kd_objective else s_rows.detach(), t_rows, config.temperature, rows)
     tvd = total_variation(s_rows.detach() if kd_objective else s_rows, t_rows, rows)
     text_logits = (student if kd_objective else student.detach())[:, :-1].reshape(-1, v)
-    if trained is None:
-        ce = F.cross_entropy(text_logits, ids[:, 1:].reshape(-1))
-    else:
-        ce = weighted_mean(F.cross_entropy(text_logits, ids[:, 1:].reshape(-1), reduction="none"),
-                           trained[:, :-1].reshape(-1))
+    ce = weighted_mean(F.cross_entropy(text_logits, ids[:, 1:].reshape(-1), reduction="none"),
+                       None if trained is None else trained[:, :-1].reshape(-1))
     values = {"kd": kd.item(), "tvd": tvd.item(), "ce": ce.item(),
               "acceptance": argmax_agreement(s_rows, t_rows, rows)}
     if kd_objective:

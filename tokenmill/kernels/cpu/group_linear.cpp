@@ -624,16 +624,13 @@ inline int fixed_tiles(int64_t M) { return M == 1 ? 4 : 2; }
 // tiles side by side (2 or 4 tiles: 4 to 8 interleaved streams). Measured on an AMD EPYC host, calls
 // streaming from DRAM over SmolLM2's layer shapes, against the strips this replaced: 2-3 rows x1.05-
 // 1.19 (4, 5, 7 and 8 bits), 4 rows x0.99-1.07; one row of 4-bit codes x1.14-1.20 (x1.29-1.32 on one
-// 106 MB matrix). One row of wider codes keeps 4 tiles at a time (8 dependency chains): there they
-// were as fast or faster (x0.92-1.01 for one tile).
+// 106 MB matrix). One row of wider codes too (5, 7 and 8 bits), against 4 tiles at a time: Gemma 3
+// 270M's Q8_0 LM head (178 MB, 640 x 262144) x0.83-0.91 in one process, its batch-1 decode step
+// x0.92-0.93, SmolLM2's x0.99-1.01 (bench/peers/serve_compare.py shows the served figures).
 template <int Bits, typename T, typename S>
 void tiles_fixed(const Problem<S>& p, const FixedX& fx, int64_t t_begin, int64_t t_end, T* y) {
-  int64_t t = t_begin;
-  if constexpr (Bits != 4)
-    if (p.M == 1)
-      for (; t + 4 <= t_end; t += 4) strip_rows_fixed<1, 4, Bits>(p, fx, t, 0, y);
   const int64_t blocks = (p.M + 2) / 3, base = p.M / blocks, extra = p.M % blocks;
-  for (; t < t_end; ++t)
+  for (int64_t t = t_begin; t < t_end; ++t)
     for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
       const int rows = static_cast<int>(base + (b < extra));
       with_constant<3>(rows, [&](auto mb) { strip_rows_fixed<decltype(mb)::value, 1, Bits>(p, fx, t, m0, y); });

@@ -4,7 +4,8 @@
 
 The target answers held-out chat prompts greedily (tokenmill.eval.prompts, split "eval": topics no
 training prompt names), served as ``LLM(model)`` serves it. Each model then reads prompt + answer
-in one teacher-forced pass (float32) and its argmax at every answer position is compared with the
+in one teacher-forced pass (float32; tokenmill.distillation.agreement, which a draft's
+distillation run also reports) and its argmax at every answer position is compared with the
 answer's token: the per-token agreement, which bounds a greedy draft's acceptance (with k draft
 tokens and agreement a independent per position, the acceptance rate is about
 (a + a^2 + ... + a^k) / k). The target itself is measured the same way (below 1.0 only by the
@@ -22,22 +23,10 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.eval.prompts import chat_prompts
+from tokenmill.distillation.agreement import agreement
 from tokenmill.loader import load_model
-from tokenmill.quantization.qat import training_logits
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def agreement(model_arg: str, sequences: list[tuple[list[int], list[int]]]) -> float:
-    model = load_model(model_arg, torch.float32, "cpu").model
-    same = total = 0
-    for prompt, answer in sequences:
-        with torch.no_grad():
-            logits = training_logits(model, torch.tensor([prompt + answer]))[0]
-        picks = logits[len(prompt) - 1:-1].argmax(-1)
-        same += int((picks == torch.tensor(answer)).sum())
-        total += len(answer)
-    return same / total
 
 
 def main() -> None:
@@ -56,7 +45,7 @@ def main() -> None:
     del llm
     rows = []
     for name in [args.model, *args.models]:
-        a = agreement(name, sequences)
+        a = agreement(load_model(name, torch.float32, "cpu").model, sequences)
         k4 = sum(a ** j for j in range(1, 5)) / 4
         rows.append({"model": name, "agreement": a, "acceptance_k4_if_independent": k4})
         print(f"{name}: agreement {a:.3f} over {sum(len(s[1]) for s in sequences)} answer tokens "

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from tests.model_utils import prompt_logits, save_byte_tokenizer  # noqa: E402
 from tests.quantization.helpers import tiny_loaded  # noqa: E402
 from tokenmill.distillation import distill as distill_module  # noqa: E402
+from tokenmill.distillation.agreement import agreement, held_out_answers  # noqa: E402
 from tokenmill.distillation.config import DistillConfig  # noqa: E402
 from tokenmill.distillation.data import TEACHER_TEXT, training_data, training_tokens  # noqa: E402
 from tokenmill.distillation.distill import distill, distill_models  # noqa: E402
@@ -164,15 +165,35 @@ def test_feature_transfer_learns_a_projection(dirs):
 
 
 def test_the_acceptance_objective_raises_argmax_agreement(dirs):
-    config = _config(20, data=str(dirs["text"]), objective="acceptance", ce_weight=0.5)
+    config = _config(20, data=str(dirs["text"]), objective="acceptance", ce_weight=0.5, eval_every=10,
+                     agreement_prompts=3, agreement_tokens=8)
     teacher, before = tiny_loaded(dirs["teacher"]).model, tiny_loaded(dirs["student"]).model
     result = distill_models(dirs["teacher"], dirs["student"], config, dirs["root"] / "accept", progress=False)
     start, end = _losses(teacher, before, config), _losses(teacher, result.student.model, config)
     assert end["acceptance"] > start["acceptance"] + 0.1 and end["tvd"] < start["tvd"]
     assert "ce_argmax" in result.log
+    # held-out agreement on the teacher's greedy chat answers: before, while (steps 10, 20) and after
+    agreed = result.agreement
+    assert agreed["teacher"] == 1.0 and all(0.0 <= agreed[k] <= 1.0 for k in ("student_before", "student_after"))
+    assert result.log["eval_step"] == [10, 20] and len(result.log["eval_agreement"]) == 2
+    assert "eval_perplexity" not in result.log  # eval_tokens 0: agreement alone
+    assert json.loads((dirs["root"] / "accept" / "log.json").read_text())["agreement"] == agreed
     p = torch.tensor([[0.0, 1.0, 0.0]])
     assert total_variation(p.log(), torch.tensor([[0.0, 0.0, 1.0]]).log()).item() == pytest.approx(1.0)
     assert total_variation(p.log(), p.log()).item() == pytest.approx(0.0)
+
+
+def test_agreement_counts_the_answer_positions_where_the_argmax_is_the_teachers_token(dirs):
+    teacher = tiny_loaded(dirs["teacher"])
+    answers = held_out_answers(teacher, 3, 8, seed=0)
+    prompts = chat_prompts(teacher.tokenizer, 3, 0, split="eval")
+    assert [p for p, _ in answers] == prompts and all(1 <= len(a) <= 8 for _, a in answers)
+    assert agreement(teacher.model, answers) == 1.0  # its own greedy answers, no EOS added after the 8th
+    # each answer's last token changed (no compared position reads it): those positions disagree
+    changed = [(p, a[:-1] + [(a[-1] + 1) % VOCAB]) for p, a in answers]
+    total = sum(len(a) for _, a in answers)
+    assert agreement(teacher.model, changed) == pytest.approx((total - len(answers)) / total)
+    assert agreement(teacher.model, [(prompts[0], [])]) != agreement(teacher.model, [(prompts[0], [])])  # nan
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["keep_sparsity", "no_keep"])
@@ -332,6 +353,7 @@ def test_the_distill_command_runs_and_prints_a_summary(dirs, tmp_path, capsys):
                  "--data", str(dirs["text"]), "--float32-matmuls"]) == 0
     printed = capsys.readouterr().out
     assert "perplexity on 64 held-out tokens: teacher" in printed and "32 tokens seen" in printed
+    assert "greedy agreement" not in printed  # a kd run, none asked
     assert f"wrote {out / 'student'}" in printed
     assert (out / "student" / "model.safetensors").exists() and (out / "log.json").exists()
 
@@ -400,7 +422,8 @@ def test_a_student_with_another_vocabulary_is_refused(dirs, tmp_path, capsys):
     ({"qat": {"group_size": 32, "steps": 5}}, "unknown key.*steps"), ({"feature_layers": [[0, -1]]}, "feature_layers"),
     ({"teacher_text": {"sequences": 0}}, "sequences"), ({"eval_every": 5, "eval_tokens": 0}, "eval_every"),
     ({"learning_rate": 1e-4}, "unknown key.*learning_rate"), ({"completion_only": True}, "completion_only.*chat"),
-    ({"completion_only": "yes"}, "completion_only")])
+    ({"completion_only": "yes"}, "completion_only"), ({"agreement_prompts": -1}, "agreement_prompts"),
+    ({"agreement_tokens": 0}, "agreement_tokens")])
 def test_the_config_rejects_bad_values_naming_the_field(data, match):
     with pytest.raises(InvalidParameterError, match=match):
         DistillConfig.from_dict(data)
@@ -415,3 +438,7 @@ def test_the_config_round_trips_through_its_dict():
     assert DistillConfig.from_dict(json.loads(json.dumps(chat.to_dict()))) == chat
     assert config.feature_layers == ((0, 1), (1, 3)) and config.qat.group_size == 32
     assert config.train.steps == 7 and config.train.lr == DistillConfig().train.lr == 1e-4  # the rest: the defaults
+    # a draft's run measures its held-out agreement unless told not to; a kd run only when asked
+    assert config.agreement_prompts == 8 and DistillConfig().agreement_prompts == 0
+    assert DistillConfig(objective="acceptance", agreement_prompts=0).agreement_prompts == 0
+    assert DistillConfig(eval_every=5, eval_tokens=0, agreement_prompts=2).eval_every == 5

@@ -10,6 +10,7 @@ load. Flags left out keep DistillConfig's defaults, shown in ``--help``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from tokenmill.config import LoadConfig
 from tokenmill.options import option_fields
@@ -31,7 +32,11 @@ FLAGS = {  # DistillConfig field -> (type, help)
     "data": (str, "corpus (its training split), teacher (data-free: text the teacher writes), chat (its answers "
                  "to chat prompts: a draft's data) or a text file"),
     "eval_tokens": (int, "held-out corpus tokens for perplexity before and after (0: skip)"),
-    "eval_every": (int, "also measure the student's perplexity every this many steps (the curve in the plot)"),
+    "eval_every": (int, "also measure the student's perplexity and agreement every this many steps (the curves "
+                        "in the plot)"),
+    "agreement_prompts": (int, "held-out chat prompts whose greedy teacher answers measure the student's "
+                               "agreement, a draft's acceptance (0: skip; unset: 8 for --objective acceptance, else 0)"),
+    "agreement_tokens": (int, "longest teacher answer per agreement prompt"),
     "save_dtype": (str, "dtype of the saved student: bfloat16, float32 or float16"),
     "seed": (int, "seed of the window order, the teacher's text and the projections"),
 }
@@ -71,10 +76,11 @@ def add_distill_parser(sub) -> None:
 def add_training_flags(parser, defaults) -> None:
     """The training loop's and the losses' flags (FLAGS, TRAIN_FLAGS), their defaults from
     ``defaults`` (a DistillConfig), and --float32-matmuls."""
+    unset = {f.name for f in dataclasses.fields(defaults) if f.default is None}  # resolved from other fields
     for flags, owner in ((TRAIN_FLAGS, defaults.train), (FLAGS, defaults)):
         for name, (kind, text) in flags.items():
-            parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                                help=f"{text} (default: {getattr(owner, name)})")
+            shown = "" if owner is defaults and name in unset else f" (default: {getattr(owner, name)})"
+            parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text + shown)
     parser.add_argument("--float32-matmuls", action="store_true", help="train with float32 matmuls (default: bfloat16)")
 
 
@@ -123,10 +129,16 @@ def print_summary(result, config, out) -> None:
     if ppl["teacher"] is not None:
         print(f"perplexity on {config.eval_tokens} held-out tokens: teacher {ppl['teacher']:.3f}, student "
               f"{ppl['student_before']:.3f} -> {ppl['student_after']:.3f}")
+    agreed = result.agreement
+    if agreed["teacher"] is not None:
+        print(f"greedy agreement with the teacher's answers to {config.agreement_prompts} held-out chat prompts: "
+              f"teacher {agreed['teacher']:.3f}, student {agreed['student_before']:.3f} -> "
+              f"{agreed['student_after']:.3f}")
     tail = {k: sum(v[-10:]) / len(v[-10:]) for k, v in result.log.items() if not k.startswith("eval_")}
-    if "eval_perplexity" in result.log:
-        print("perplexity while training: " + ", ".join(
-            f"step {int(s)} {p:.2f}" for s, p in zip(result.log["eval_step"], result.log["eval_perplexity"])))
+    for key, what, form in (("eval_perplexity", "perplexity", ".2f"), ("eval_agreement", "agreement", ".3f")):
+        if key in result.log:
+            print(f"{what} while training: " + ", ".join(
+                f"step {int(s)} {v:{form}}" for s, v in zip(result.log["eval_step"], result.log[key])))
     print("final (mean of the last 10 steps): " + ", ".join(f"{k} {v:.4f}" for k, v in tail.items()))
     resumed = f", resumed at step {result.resumed_at}" if result.resumed_at else ""
     print(f"{config.train.steps} steps, {result.tokens_seen:,} tokens seen, {result.wall_seconds:.1f} s{resumed}")

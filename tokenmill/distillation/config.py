@@ -28,6 +28,8 @@ SAVE_DTYPES = ("bfloat16", "float32", "float16")
 QAT_GRID_KEYS = ("weight", "group_size", "lm_head_int8", "quantize_lm_head")
 """The QATConfig fields that say what the student is quantized to; its training fields (steps,
 lr, ...) are DistillConfig's own."""
+AGREEMENT_PROMPTS = 8
+"""Held-out chat prompts a draft's distillation measures its agreement on when none is asked."""
 DISTILL_TRAINING = TrainConfig(steps=200, lr=1e-4, checkpoint_every=50)
 """The training loop of a run that sets none of it."""
 
@@ -128,8 +130,16 @@ class DistillConfig:
     """Held-out perplexity of teacher and student, before and after, on the first this many
     corpus tokens (text the training split never reaches); 0 skips it."""
     eval_every: int = 0
-    """Measure the student's held-out perplexity (on the ``eval_tokens``) every this many steps
-    while training, for the perplexity curve in the log and the plot; 0: before and after only."""
+    """Measure the student's held-out perplexity (on the ``eval_tokens``) and agreement (on the
+    ``agreement_prompts``) every this many steps while training, for the curves in the log and
+    the plot; 0: before and after only."""
+    agreement_prompts: int | None = None
+    """Held-out chat prompts (tokenmill.eval.prompts, split "eval") that the teacher answers
+    greedily, on whose answers the student's greedy agreement with the teacher is measured
+    (distillation/agreement.py: a draft's per-token acceptance), before, after and with
+    ``eval_every``; 0 skips it. None: 8 for ``objective="acceptance"`` (a draft), 0 otherwise."""
+    agreement_tokens: int = 64
+    """Longest teacher answer per agreement prompt."""
     save_dtype: str = "bfloat16"
     """dtype of the saved student (the compute dtype of a quantized one)."""
     seed: int = 0
@@ -167,8 +177,15 @@ class DistillConfig:
         _check("seq_len", self.seq_len >= 2, "at least 2")
         _check("eval_tokens", isinstance(self.eval_tokens, int) and self.eval_tokens >= 0, "an integer >= 0")
         _check("eval_every", isinstance(self.eval_every, int) and self.eval_every >= 0, "an integer >= 0")
-        if self.eval_every and not self.eval_tokens:
-            raise InvalidParameterError("DistillConfig.eval_every needs eval_tokens > 0 (the text it measures on)")
+        if self.agreement_prompts is None:
+            set_(self, "agreement_prompts", AGREEMENT_PROMPTS if self.objective == "acceptance" else 0)
+        _check("agreement_prompts", isinstance(self.agreement_prompts, int) and self.agreement_prompts >= 0,
+               "an integer >= 0 or None")
+        _check("agreement_tokens", isinstance(self.agreement_tokens, int) and self.agreement_tokens > 0,
+               "a positive integer")
+        if self.eval_every and not (self.eval_tokens or self.agreement_prompts):
+            raise InvalidParameterError("DistillConfig.eval_every needs eval_tokens > 0 or agreement_prompts > 0 "
+                                        "(what it measures on)")
         _check("temperature", self.temperature > 0 and math.isfinite(self.temperature), "positive")
         for name in ("kd_weight", "ce_weight", "feature_weight"):
             _check(name, getattr(self, name) >= 0 and math.isfinite(getattr(self, name)), ">= 0")

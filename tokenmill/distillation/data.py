@@ -134,9 +134,10 @@ def first_tokens(teacher: LoadedModel, n: int, seed: int) -> list[list[int]]:
 
 
 def generate(teacher: LoadedModel, prompts: list[list[int]], config: TeacherTextConfig, seed: int,
-             progress: bool = True) -> list[list[int]]:
+             progress: bool = True, end_with_eos: bool = True) -> list[list[int]]:
     """The teacher continues each prompt (sampling at ``config.temperature``; greedy at 0)
-    -> prompt + continuation (+ EOS) per sequence."""
+    -> prompt + continuation per sequence, and EOS after one the length limit cut (packed text
+    ends each sequence with it) unless not ``end_with_eos`` (only what the teacher wrote)."""
     device = teacher.model.embed.weight.device
     context, longest_prompt = teacher.config.max_position_embeddings, max(map(len, prompts))
     longest = longest_prompt + config.max_tokens
@@ -157,7 +158,7 @@ def generate(teacher: LoadedModel, prompts: list[list[int]], config: TeacherText
     out = []
     for request in requests:
         ids = list(request.sequences[0].all_token_ids)
-        if eos is not None and (not ids or ids[-1] not in stops):
+        if end_with_eos and eos is not None and (not ids or ids[-1] not in stops):
             ids.append(eos)
         out.append(ids)
     return out

@@ -7,6 +7,8 @@ One run:
   check        the student shares the teacher's vocabulary and tokenizer (the losses compare
                distributions row by row, so a different vocabulary has nothing to compare)
   measure      held-out perplexity of the teacher and the student (the corpus start, as eval does)
+               and, with ``agreement_prompts`` (a draft's run by default), their greedy agreement
+               on the teacher's answers to held-out chat prompts (agreement.py)
   data         the token stream ``config.data`` names (data.py); seeded windows of it
   prepare      with ``qat``: the student's linear layers become fake-quantized (qat.py); with
                ``keep_sparsity``: masks of the student's zeros; with ``feature_weight``: the
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from tokenmill.device import resolve_device
+from tokenmill.distillation.agreement import Answers, agreement, held_out_answers
 from tokenmill.distillation.config import DistillConfig
 from tokenmill.distillation.data import training_data
 from tokenmill.distillation.losses import FeatureTransfer, block_outputs, distill_loss, evenly_spaced_pairs
@@ -72,6 +75,9 @@ class DistillResult:
     """Per optimizer step: loss, kd, tvd, ce, acceptance (argmax agreement)[, ce_argmax, feature]."""
     perplexity: dict[str, float | None]
     """Held-out perplexity: teacher, student_before, student_after (None with eval_tokens 0)."""
+    agreement: dict[str, float | None]
+    """Held-out greedy agreement with the teacher's answers (agreement.py): teacher (itself, about
+    1), student_before, student_after (None with agreement_prompts 0)."""
     tokens_seen: int
     """Training tokens the student read (all steps, the resumed part included)."""
     wall_seconds: float
@@ -101,22 +107,27 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
     cache = Path(cache_dir) if cache_dir else None
     held_out = read_tokens(teacher.tokenizer, fetch_corpus(cache), config.eval_tokens) if config.eval_tokens else None
     scores = {"teacher": _perplexity(teacher.model, held_out), "student_before": _perplexity(student.model, held_out)}
+    answers = (held_out_answers(teacher, config.agreement_prompts, config.agreement_tokens, config.seed)
+               if config.agreement_prompts else None)
+    agreed = {"teacher": _agreement(teacher.model, answers), "student_before": _agreement(student.model, answers)}
     ids, trained = training_data(config, teacher, out, cache, progress)
 
-    log = _train(teacher.model, student.model, config, ids, out, progress, held_out, extra_loss, trained)
+    log = _train(teacher.model, student.model, config, ids, out, progress, held_out, extra_loss, trained, answers)
     if config.qat is not None:
         convert_qat(student.model, config.qat, progress)
     else:
         student.model.to(getattr(torch, config.save_dtype))  # measured as it is written
     scores["student_after"] = _perplexity(student.model, held_out)
+    agreed["student_after"] = _agreement(student.model, answers)
     tokens = config.train.steps * config.tokens_per_step
     record = {"config": config.to_dict(), "teacher": teacher.source.name, "student": student.source.name,
               "tokens_seen": tokens, "wall_seconds": round(time.monotonic() - start, 3),
-              "resumed_at": log.resumed_at, "perplexity": scores, **(extra_record or {})}
+              "resumed_at": log.resumed_at, "perplexity": scores, "agreement": agreed, **(extra_record or {})}
     saved = _save(student, out / "student", {**pruned_from(student, config), "distillation": record})
     (out / LOG_FILE).write_text(json.dumps({**record, "per_step": log.values}, indent=2))
     plot = plot_losses(log.values, out / PLOT_FILE)
-    return DistillResult(student, saved, log.values, scores, tokens, record["wall_seconds"], log.resumed_at, plot)
+    return DistillResult(student, saved, log.values, scores, agreed, tokens, record["wall_seconds"], log.resumed_at,
+                         plot)
 
 
 def distill_models(teacher: str | os.PathLike, student: str | os.PathLike, config: DistillConfig,
@@ -134,9 +145,10 @@ def distill_models(teacher: str | os.PathLike, student: str | os.PathLike, confi
 
 def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: list[int], out: Path,
            progress: bool, held_out: list[int] | None = None, extra_loss: ExtraLoss | None = None,
-           trained: list[bool] | None = None) -> TrainLog:
+           trained: list[bool] | None = None, answers: Answers | None = None) -> TrainLog:
     """Prepare the student (masks of its zeros, fake quantization, projections) and run the trainer;
-    every ``config.eval_every`` steps the student's perplexity on ``held_out`` joins the log.
+    every ``config.eval_every`` steps the student's perplexity on ``held_out`` and its agreement
+    on ``answers`` (each when given) join the log.
     ``trained``: per token of ``ids``, whether it is trained on (completion-only); None: all."""
     masks = sparsity_masks(student) if config.keep_sparsity else []
     if config.qat is not None:
@@ -154,9 +166,14 @@ def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: lis
 
     def after_step(step: int) -> dict[str, float] | None:
         reapply(masks)
-        if config.eval_every and (step % config.eval_every == 0 or step == config.train.steps):
-            return {"eval_step": step, "eval_perplexity": _perplexity(student, held_out)}
-        return None
+        if not config.eval_every or (step % config.eval_every and step != config.train.steps):
+            return None
+        measured: dict[str, float] = {"eval_step": step}
+        if held_out is not None:
+            measured["eval_perplexity"] = _perplexity(student, held_out)
+        if answers is not None:
+            measured["eval_agreement"] = agreement(student, answers)
+        return measured
 
     def batch_loss(batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         windows, mask = batch if trained is not None else (batch, None)
@@ -263,6 +280,10 @@ def step_loss(teacher: CausalLM, student: CausalLM, features: FeatureTransfer | 
     return distill_loss(s_logits, t_logits, batch, config, feature, trained)
 
 
+def _agreement(model: CausalLM, answers: Answers | None) -> float | None:
+    return None if answers is None else agreement(model, answers)
+
+
 def _perplexity(model: CausalLM, ids: list[int] | None) -> float | None:
     if ids is None:
         return None
@@ -297,8 +318,8 @@ def _save(student: LoadedModel, out: Path, extra: dict) -> Path:
 
 
 def plot_losses(values: dict[str, list[float]], path: Path) -> Path | None:
-    """Loss curves per step, argmax agreement and (when measured while training) held-out
-    perplexity per step -> the PNG, or None without matplotlib."""
+    """Loss curves per step, argmax agreement (and, when measured while training, held-out
+    agreement) and held-out perplexity per step -> the PNG, or None without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -306,7 +327,7 @@ def plot_losses(values: dict[str, list[float]], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curve = "eval_perplexity" in values
+    curve = "eval_perplexity" in values  # eval_agreement shares the agreement panel
     fig, axes = plt.subplots(1, 3 if curve else 2, figsize=(16 if curve else 11, 4))
     losses, agreement = axes[0], axes[1]
     for name in ("loss", "kd", "tvd", "ce", "ce_argmax", "feature"):
@@ -314,7 +335,12 @@ def plot_losses(values: dict[str, list[float]], path: Path) -> Path | None:
             losses.plot(range(1, len(values[name]) + 1), values[name], label=name)
     losses.set(xlabel="step", ylabel="nats per token (tvd: probability)", yscale="log", title="distillation losses")
     losses.legend()
-    agreement.plot(range(1, len(values["acceptance"]) + 1), values["acceptance"], color="tab:green")
+    agreement.plot(range(1, len(values["acceptance"]) + 1), values["acceptance"], color="tab:green",
+                   label="training batches")
+    if "eval_agreement" in values:
+        agreement.plot(values["eval_step"], values["eval_agreement"], marker="o", color="tab:purple",
+                       label="held-out chat answers")
+        agreement.legend()
     agreement.set(xlabel="step", ylabel="fraction of positions", ylim=(0, 1),
                   title="student top-1 = teacher top-1 (greedy acceptance)")
     if curve:

@@ -135,10 +135,21 @@ def test_an_interrupted_run_resumes_to_the_state_of_an_uninterrupted_one(dirs, m
     monkeypatch.setattr(distill_module, "distill_loss", interrupted)
     with pytest.raises(KeyboardInterrupt):
         distill_models(dirs["teacher"], dirs["student"], config, cut, progress=False)
-    assert torch.load(cut / CHECKPOINT, weights_only=False)["step"] == 2
+    checkpoint = torch.load(cut / CHECKPOINT, weights_only=False)
+    assert checkpoint["step"] == 2
+    # the student of that checkpoint, written beside it, loads on its own and is that state
+    latest = cut / distill_module.LATEST
+    assert json.loads((latest / "config.json").read_text())["distillation"]["checkpoint_step"] == 2
+    at_two = tiny_loaded(dirs["student"]).model
+    at_two.load_state_dict(checkpoint["modules"]["student"])
+    with torch.no_grad():
+        assert torch.equal(training_logits(tiny_loaded(latest).model, _batch()), training_logits(at_two, _batch()))
     monkeypatch.setattr(distill_module, "distill_loss", real)
     resumed = distill_models(dirs["teacher"], dirs["student"], config, cut, progress=False)
     assert resumed.resumed_at == 2 and len(resumed.log["loss"]) == 6
+    assert json.loads((latest / "config.json").read_text())["distillation"]["checkpoint_step"] == 4
+    assert sorted(p.name for p in cut.iterdir() if p.name.startswith(distill_module.LATEST)) == [
+        distill_module.LATEST]  # no half-written or stale copy left
 
     a, b = (torch.load(d / CHECKPOINT, weights_only=False) for d in (whole, cut))
     assert a["step"] == b["step"] == 6 and a["log"] == b["log"]

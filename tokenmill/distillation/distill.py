@@ -14,7 +14,9 @@ One run:
                ``keep_sparsity``: masks of the student's zeros; with ``feature_weight``: the
                projections of :class:`~tokenmill.distillation.losses.FeatureTransfer`
   train        the shared trainer (AdamW, accumulation, autocast, progress, checkpoints every
-               ``checkpoint_every`` steps in ``out_dir``, resume): per micro-batch the teacher's
+               ``checkpoint_every`` steps in ``out_dir``, resume; with each checkpoint a float
+               student's weights so far in ``out_dir/student-latest``, a directory that loads and
+               serves like the final one, for measuring a run while it trains): per micro-batch the teacher's
                logits (and hidden states) are computed on the fly without autograd, nothing is
                cached, and the student's forward runs over training_attention (plain causal SDPA)
   finish       convert a QAT student to INT4/INT8, measure again, save the student (HF directory,
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +60,8 @@ from tokenmill.training.trainer import Trainer, TrainLog
 
 ExtraLoss = Callable[[], tuple[torch.Tensor, dict[str, float]]]
 """A term added to each micro-batch's loss, read from what its forward passes left (hooks)."""
+LATEST = "student-latest"
+"""The student as of the last periodic checkpoint (float students), beside ``checkpoint.pt``."""
 LOG_FILE = "log.json"
 PLOT_FILE = "loss.png"
 SPARSE_LAYER_FRACTION = 0.1
@@ -112,7 +117,14 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
     agreed = {"teacher": _agreement(teacher.model, answers), "student_before": _agreement(student.model, answers)}
     ids, trained = training_data(config, teacher, out, cache, progress)
 
-    log = _train(teacher.model, student.model, config, ids, out, progress, held_out, extra_loss, trained, answers)
+    def save_latest(step: int) -> None:
+        if config.qat is None:  # a fake-quantized student is written once, converted, at the end
+            _save_latest(student, out, config, {**pruned_from(student, config), "distillation": {
+                "checkpoint_step": step, "steps": config.train.steps, "tokens_seen": step * config.tokens_per_step,
+                "config": config.to_dict(), "teacher": teacher.source.name, "student": student.source.name}})
+
+    log = _train(teacher.model, student.model, config, ids, out, progress, held_out, extra_loss, trained, answers,
+                 save_latest)
     if config.qat is not None:
         convert_qat(student.model, config.qat, progress)
     else:
@@ -145,7 +157,8 @@ def distill_models(teacher: str | os.PathLike, student: str | os.PathLike, confi
 
 def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: list[int], out: Path,
            progress: bool, held_out: list[int] | None = None, extra_loss: ExtraLoss | None = None,
-           trained: list[bool] | None = None, answers: Answers | None = None) -> TrainLog:
+           trained: list[bool] | None = None, answers: Answers | None = None,
+           on_checkpoint: Callable[[int], None] | None = None) -> TrainLog:
     """Prepare the student (masks of its zeros, fake quantization, projections) and run the trainer;
     every ``config.eval_every`` steps the student's perplexity on ``held_out`` and its agreement
     on ``answers`` (each when given) join the log.
@@ -184,7 +197,7 @@ def _train(teacher: CausalLM, student: CausalLM, config: DistillConfig, ids: lis
             values.update(more_values)
         return loss, values
 
-    log = trainer.fit(batches, batch_loss, after_step=after_step)
+    log = trainer.fit(batches, batch_loss, after_step=after_step, on_checkpoint=on_checkpoint)
     student.requires_grad_(False)
     return log
 
@@ -315,6 +328,23 @@ def _save(student: LoadedModel, out: Path, extra: dict) -> Path:
     config = json.loads((saved / "config.json").read_text())
     (saved / "config.json").write_text(json.dumps({**config, **extra}, indent=2))
     return saved
+
+
+def _save_latest(student: LoadedModel, out: Path, config: DistillConfig, extra: dict) -> Path:
+    """The float student's weights so far, in ``config.save_dtype`` (the training copy untouched),
+    as ``out/student-latest``: written beside it, then swapped in, so that a reader never meets
+    a half-written directory."""
+    final = out / LATEST
+    fresh, old = out / (LATEST + ".tmp"), out / (LATEST + ".old")
+    for stale in (fresh, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    save_hf(student.model, student.config, student.tokenizer, fresh, dtype=getattr(torch, config.save_dtype),
+            extra=extra)
+    if final.exists():
+        final.replace(old)
+    fresh.replace(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def plot_losses(values: dict[str, list[float]], path: Path) -> Path | None:

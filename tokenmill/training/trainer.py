@@ -19,7 +19,8 @@ is written): for constraints the update must not break, such as a pruned model's
 periodic measurements; the floats of the dict it may return are logged under their names (lists
 of their own: a value measured every 50 steps makes a list of its own length). A checkpoint
 (``out_dir/checkpoint.pt``, every ``checkpoint_every`` steps and at the end) holds the modules'
-state, the optimizer's and scheduler's, the step and the log so far.
+state, the optimizer's and scheduler's, the step and the log so far; ``on_checkpoint(step)``, when
+given, runs after each periodic one (not the last: the caller saves what training produced).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self, batches: Iterable[Any], loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float]]],
             resume: bool = True,
-            after_step: Callable[[int], dict[str, float] | None] | None = None) -> TrainLog:
+            after_step: Callable[[int], dict[str, float] | None] | None = None,
+            on_checkpoint: Callable[[int], None] | None = None) -> TrainLog:
         cfg = self.config
         if resume:
             self.resume()
@@ -168,7 +170,8 @@ class Trainer:
             bar.update(1)
             bar.set_postfix({k: f"{v:.4f}" for k, v in sums.items()})
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.step < cfg.steps:
-                self.save()
+                if self.save() is not None and on_checkpoint is not None:
+                    on_checkpoint(self.step)
         bar.close()
         self.save()
         return self.log

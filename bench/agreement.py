@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.eval.prompts import chat_prompts
 from tokenmill.distillation.agreement import agreement
+from tokenmill.eval.prompts import chat_prompts
 from tokenmill.loader import load_model
 
 RESULTS = Path(__file__).parent / "results"

@@ -15,10 +15,10 @@ One run:
                projections of :class:`~tokenmill.distillation.losses.FeatureTransfer`
   train        the shared trainer (AdamW, accumulation, autocast, progress, checkpoints every
                ``checkpoint_every`` steps in ``out_dir``, resume; with each checkpoint a float
-               student's weights so far in ``out_dir/student-latest``, a directory that loads and
-               serves like the final one, for measuring a run while it trains): per micro-batch the teacher's
-               logits (and hidden states) are computed on the fly without autograd, nothing is
-               cached, and the student's forward runs over training_attention (plain causal SDPA)
+               student's weights so far in ``out_dir/student-latest``, which loads and serves like
+               the final one while the run goes on): per micro-batch the teacher's logits (and
+               hidden states) are computed on the fly without autograd, nothing is cached,
+               and the student's forward runs over training_attention (plain causal SDPA)
   finish       convert a QAT student to INT4/INT8, measure again, save the student (HF directory,
                or a quantized one), ``log.json`` and ``loss.png``
 
@@ -117,11 +117,12 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
     agreed = {"teacher": _agreement(teacher.model, answers), "student_before": _agreement(student.model, answers)}
     ids, trained = training_data(config, teacher, out, cache, progress)
 
+    run = {"config": config.to_dict(), "teacher": teacher.source.name, "student": student.source.name}
+
     def save_latest(step: int) -> None:
         if config.qat is None:  # a fake-quantized student is written once, converted, at the end
             _save_latest(student, out, config, {**pruned_from(student, config), "distillation": {
-                "checkpoint_step": step, "steps": config.train.steps, "tokens_seen": step * config.tokens_per_step,
-                "config": config.to_dict(), "teacher": teacher.source.name, "student": student.source.name}})
+                **run, "checkpoint_step": step, "tokens_seen": step * config.tokens_per_step}})
 
     log = _train(teacher.model, student.model, config, ids, out, progress, held_out, extra_loss, trained, answers,
                  save_latest)
@@ -132,8 +133,7 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
     scores["student_after"] = _perplexity(student.model, held_out)
     agreed["student_after"] = _agreement(student.model, answers)
     tokens = config.train.steps * config.tokens_per_step
-    record = {"config": config.to_dict(), "teacher": teacher.source.name, "student": student.source.name,
-              "tokens_seen": tokens, "wall_seconds": round(time.monotonic() - start, 3),
+    record = {**run, "tokens_seen": tokens, "wall_seconds": round(time.monotonic() - start, 3),
               "resumed_at": log.resumed_at, "perplexity": scores, "agreement": agreed, **(extra_record or {})}
     saved = _save(student, out / "student", {**pruned_from(student, config), "distillation": record})
     (out / LOG_FILE).write_text(json.dumps({**record, "per_step": log.values}, indent=2))

@@ -75,3 +75,29 @@ def test_a_head_for_another_model_or_no_head_is_refused(head_dir, tmp_path):
     other.config = other.config.__class__(**{**other.config.__dict__, "hidden_size": 32, "head_dim": 8})
     with pytest.raises(InvalidParameterError, match="trained for a model of hidden size 64"):
         EagleHead.load(out, other)
+
+
+def test_a_head_trains_on_a_distill_runs_teacher_text_instead_of_generating(tiny_dir, tmp_path):
+    seqs = [[(3 * i + j) % 250 for j in range(20 + i)] for i in range(12)]
+    text = tmp_path / "teacher_text.json"
+    text.write_text(json.dumps({"settings": {}, "tokens": sum(map(len, seqs)), "sequences": seqs}))
+    out = tmp_path / "head"
+    report = train_eagle_head(str(tiny_dir), out, HeadTrainingConfig(steps=4, texts=(str(text),), **SMALL),
+                              progress=False, device="cpu")
+    assert report["train_sequences"] == 11 and report["train_tokens"] == sum(map(len, seqs[:11]))
+    import torch
+
+    data = torch.load(out / DATA_FILE, weights_only=False)
+    assert [d["ids"].tolist() for d in data] == seqs  # the file's text, in order, not the model's answers
+
+
+def test_teacher_text_from_another_vocabulary_or_not_one_is_refused(tiny_dir, tmp_path):
+    text = tmp_path / "teacher_text.json"
+    text.write_text(json.dumps({"sequences": [[1, 2, 300_000]]}))
+    with pytest.raises(InvalidParameterError, match="outside this model's vocabulary"):
+        train_eagle_head(str(tiny_dir), tmp_path / "a", HeadTrainingConfig(steps=1, texts=(str(text),), **SMALL),
+                         progress=False, device="cpu")
+    text.write_text("[1, 2, 3]")
+    with pytest.raises(InvalidParameterError, match="is not a teacher_text.json"):
+        train_eagle_head(str(tiny_dir), tmp_path / "b", HeadTrainingConfig(steps=1, texts=(str(text),), **SMALL),
+                         progress=False, device="cpu")

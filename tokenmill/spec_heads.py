@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,13 @@ class HeadTrainingConfig:
     checkpoint_every: int = 50
     mixed_precision: bool = True
     seed: int = 0
+    texts: tuple[str, ...] = ()
+    """Train on these instead of generating: ``teacher_text.json`` files of ``tokenmill distill --data chat``
+    (or ``teacher``) runs whose teacher is this model; their sequences (prompt and answer) are the
+    training text and ``prompts``, ``max_tokens``, ``temperature``, ``passage_chars`` go unused."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "texts", tuple(self.texts))
         for name in ("prompts", "max_tokens", "draft_vocab", "batch_size", "seq_len"):
             if getattr(self, name) <= 0:
                 raise InvalidParameterError(f"train-heads: {name} must be positive, got {getattr(self, name)}")
@@ -82,18 +88,42 @@ class HeadTrainingConfig:
 
 
 def generate_data(llm: LLM, config: HeadTrainingConfig, progress: bool = True) -> list[dict[str, torch.Tensor]]:
-    """Training sequences: the target's answers to the prompts, with its hidden states."""
-    prompts = chat_prompts(llm.tokenizer, config.prompts, config.seed, passage_chars=config.passage_chars)
-    params = [SamplingParams(temperature=config.temperature, seed=config.seed * 100_003 + i,
-                             max_tokens=config.max_tokens) for i in range(len(prompts))]
-    outs = llm.generate(prompts, params, use_tqdm=progress)
-    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    """Training sequences: the target's answers to the prompts (or the sequences of ``config.texts``),
+    with its hidden states."""
+    if config.texts:
+        seqs = saved_sequences(config.texts, llm.model_config.vocab_size)
+    else:
+        prompts = chat_prompts(llm.tokenizer, config.prompts, config.seed, passage_chars=config.passage_chars)
+        params = [SamplingParams(temperature=config.temperature, seed=config.seed * 100_003 + i,
+                                 max_tokens=config.max_tokens) for i in range(len(prompts))]
+        outs = llm.generate(prompts, params, use_tqdm=progress)
+        seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     runner = ModelRunner.for_sequences(llm.engine.runner.model, max(len(s) for s in seqs))
     data = []
     for ids in tqdm(seqs, desc="hidden states", disable=not progress):
         hidden = runner.hidden(ids).float().cpu()
         data.append({"ids": torch.tensor(ids, dtype=torch.long), "hidden": hidden})
     return data
+
+
+def saved_sequences(paths: tuple[str, ...], vocab_size: int) -> list[list[int]]:
+    """The token sequences of ``teacher_text.json`` files (tokenmill.distillation.data), in order."""
+    seqs: list[list[int]] = []
+    for path in paths:
+        try:
+            saved = json.loads(Path(path).read_text())
+            found = saved["sequences"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidParameterError(f"train-heads: {path} is not a teacher_text.json of `tokenmill distill` "
+                                        f"({type(exc).__name__}: {exc})") from None
+        bad = [t for s in found for t in s if not 0 <= t < vocab_size][:1]
+        if bad:
+            raise InvalidParameterError(f"train-heads: {path} holds token {bad[0]}, outside this model's vocabulary "
+                                        f"of {vocab_size}: it was written by another model")
+        seqs += [s for s in found if len(s) > 1]
+    if not seqs:
+        raise InvalidParameterError(f"train-heads: no sequences in {', '.join(paths)}")
+    return seqs
 
 
 def draft_vocabulary(data: list[dict[str, torch.Tensor]], size: int, vocab_size: int) -> torch.Tensor:

@@ -24,7 +24,9 @@ HELP = {
     "warmup_steps": "steps of linear warm-up", "cls_weight": "weight of the distribution loss beside the "
     "hidden-state regression", "unroll": "drafting steps trained (step j reads the head's own step j-1 features)",
     "checkpoint_every": "write a checkpoint every this many steps", "mixed_precision": "bfloat16 autocast",
-    "seed": "seed of the prompts, answers and window order"}
+    "seed": "seed of the prompts, answers and window order",
+    "texts": "train on these teacher_text.json files of `tokenmill distill --data chat` runs of this model "
+    "instead of generating answers"}
 
 
 def add_spec_parser(sub) -> None:
@@ -40,7 +42,9 @@ def add_spec_parser(sub) -> None:
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
         text = f"{HELP.get(f.name, '')} (default: {value})".strip()
-        if isinstance(value, bool):
+        if isinstance(value, tuple):
+            train.add_argument(flag, nargs="+", default=value, metavar="FILE", help=text)
+        elif isinstance(value, bool):
             train.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)
         else:
             train.add_argument(flag, type=type(value), default=value, help=text)

@@ -100,14 +100,7 @@ class CausalLM(nn.Module):
         it does not apply; built on first use and when the model's linear modules change."""
         from tokenmill.models.fused_decode import FusedDecoder
 
-        try:
-            fused = self._fused.get(kv_cache, False)
-        except TypeError:  # not weak-referenceable: not a PagedKVCache
-            return None
-        if fused is False or (fused is not None and not fused.current_for(self)):
-            fused = FusedDecoder.build(self, kv_cache)
-            self._fused[kv_cache] = fused
-        return fused
+        return FusedDecoder.cached(self, kv_cache, self._fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""

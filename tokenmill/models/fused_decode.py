@@ -23,6 +23,7 @@ entropy: to float rounding).
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 from torch import nn
@@ -145,6 +146,19 @@ class FusedDecoder:
         self._lora_stacks: tuple[int, int] | None = None
         """(id, size) of the LoRA stacks last handed to the stack's set_lora (they grow as adapters
         target new modules; slots are assigned in place, which the stack sees without this)."""
+
+    @classmethod
+    def cached(cls, model: nn.Module, kv_cache, cache: weakref.WeakKeyDictionary) -> FusedDecoder | None:
+        """``model``'s stack over ``kv_cache`` from ``cache`` (the model's own: KV cache -> stack, or
+        None where none applies), built on first use and again when the model's linear modules change."""
+        try:
+            fused = cache.get(kv_cache, False)
+        except TypeError:  # not weak-referenceable: not a PagedKVCache
+            return None
+        if fused is False or (fused is not None and not fused.current_for(model)):
+            fused = cls.build(model, kv_cache)
+            cache[kv_cache] = fused
+        return fused
 
     @classmethod
     def build(cls, model: nn.Module, kv_cache: PagedKVCache) -> FusedDecoder | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from tokenmill.engine.spec.draft_model import DraftModelProposer
 from tokenmill.engine.spec.proposer import Draft
 from tokenmill.errors import InvalidParameterError, ModelFormatError
 from tokenmill.models.base import CausalLM
+from tokenmill.models.fused_decode import FusedDecoder
+from tokenmill.models.layers import linear
 
 CONFIG_FILE, WEIGHTS_FILE = "eagle.json", "eagle.safetensors"
 
@@ -67,12 +70,16 @@ class EagleHead(nn.Module):
     def forward(self, features: torch.Tensor, embeddings: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: Any, meta: Any) -> torch.Tensor:
         """features [T, H] (f_{p-1}), embeddings [T, H] (of t_p) -> predicted features g_p [T, H]."""
-        return self.block(self.fc(torch.cat([features, embeddings], dim=-1).to(self.fc.weight.dtype)), rope, cache,
-                          meta)
+        return self.block(self.join(features, embeddings), rope, cache, meta)
+
+    def join(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """The block's input: fc([f_{p-1} ; embed(t_p)])."""
+        return linear(self.fc, torch.cat([features, embeddings], dim=-1).to(self.fc.weight.dtype))
 
     def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, len(vocab)] logits over the draft vocabulary."""
-        return self.head(self.norm(g))
+        """[T, H] -> [T, len(vocab)] logits over the draft vocabulary (float32 where the packed
+        bfloat16 kernel computes them: the same bfloat16-rounded values)."""
+        return linear(self.head, self.norm(g), out_float32=True)
 
     # ---- files ----------------------------------------------------------------------------------
     def save(self, path: str | Path, meta: dict[str, Any]) -> None:
@@ -114,7 +121,10 @@ class EagleDraft(nn.Module):
         self.head, self.config = head, head.config
         self._target = [target]  # not a submodule: the target's weights are not the head's
         self.embed = target.embed
+        self.layers = nn.ModuleList([head.block])  # what FusedDecoder runs: the head's one block
+        self.norm_cast_before_scale = target.norm_cast_before_scale
         self.features: torch.Tensor | None = None
+        self._fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: Any,
                 lora: Any = None) -> torch.Tensor:
@@ -126,6 +136,11 @@ class EagleDraft(nn.Module):
         embeddings = target.embed_tokens(input_ids)
         local = self.config.layer_type(0) == "sliding" and target.config.rope_local_theta
         rope = (target.rotary_local if local else target.rotary_global)(positions, embeddings.dtype)
+        decode_only = meta is not None and meta.query_start_loc[-1] == meta.num_seqs
+        fused = FusedDecoder.cached(self, kv_cache, self._fused) if decode_only and not torch.is_grad_enabled() \
+            else None
+        if fused is not None:  # a pass of one guess per sequence: the block in one call, bit-identical
+            return fused.run(self.head.join(self.features, embeddings), [rope, rope], meta)
         return self.head(self.features, embeddings, rope, kv_cache.layer(0), meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

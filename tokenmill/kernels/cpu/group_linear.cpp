@@ -615,10 +615,17 @@ void strip_rows_fixed(const Problem<S>& p, const FixedX& fx, int64_t t0, int64_t
     for (int t = 0; t < NT; ++t) store_out(y + (m0 + r) * p.N + (t0 + t) * 16, res[r][t]);
 }
 
+// Rows per block of the fixed-point schedule (so every call below kFixedRows is one block): a tile's
+// codes are unpacked once per block. Blocks of at most 3 rows unpacked them twice at 4 rows (a decode
+// step of 4 sequences, or a verification of 3 draft tokens); SmolLM2's 4-row decode step measured
+// 6.2-8.0 ms against 7.4-9.6 with them (noisy host, processes alternated). 8-row blocks spill
+// registers (a 21.7 ms step at 8 rows, against 10.6-12.1 on the vector schedule).
+constexpr int kFixedBlock = 4;
+
 // The parallel split's grain in tiles for M rows.
 inline int fixed_tiles(int64_t M) { return M == 1 ? 4 : 2; }
 
-// Rows in blocks of at most 3 (as even as they come), each block over one tile at a time while its
+// Rows in blocks of at most kFixedBlock (as even as they come), each block over one tile at a time while its
 // codes are in L1: the codes stream from memory once per call. One tile at a time keeps a thread's
 // codes and (scale, min) two sequential streams, which the prefetchers serve better than a strip of
 // tiles side by side (2 or 4 tiles: 4 to 8 interleaved streams). Measured on an AMD EPYC host, calls
@@ -629,11 +636,12 @@ inline int fixed_tiles(int64_t M) { return M == 1 ? 4 : 2; }
 // x0.92-0.93, SmolLM2's x0.99-1.01 (bench/peers/serve_compare.py shows the served figures).
 template <int Bits, typename T, typename S>
 void tiles_fixed(const Problem<S>& p, const FixedX& fx, int64_t t_begin, int64_t t_end, T* y) {
-  const int64_t blocks = (p.M + 2) / 3, base = p.M / blocks, extra = p.M % blocks;
+  const int64_t blocks = (p.M + kFixedBlock - 1) / kFixedBlock, base = p.M / blocks, extra = p.M % blocks;
   for (int64_t t = t_begin; t < t_end; ++t)
     for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
       const int rows = static_cast<int>(base + (b < extra));
-      with_constant<3>(rows, [&](auto mb) { strip_rows_fixed<decltype(mb)::value, 1, Bits>(p, fx, t, m0, y); });
+      with_constant<kFixedBlock>(rows,
+                                 [&](auto mb) { strip_rows_fixed<decltype(mb)::value, 1, Bits>(p, fx, t, m0, y); });
       m0 += rows;
     }
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--requests-per-replica", type=int, default=80)
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--report-period", type=float, default=0.5)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="workloads per row (seeds n + 1000k): hit rate and TTFT means, p99 the median of the runs'")
     parser.add_argument("--out", default=str(RESULTS / "scaleout_sim.json"))
     args = parser.parse_args()
 
@@ -63,18 +66,22 @@ def main() -> None:
     prompt_tokens = args.system_tokens + args.question_tokens
     rows = []
     counts = [int(n) for n in args.replicas.split(",")]
-    with tqdm(total=2 * len(counts), desc="simulating") as bar:
+    with tqdm(total=2 * len(counts) * args.seeds, desc="simulating") as bar:
         for n in counts:
             capacity = n / (prompt_tokens * times.prefill_per_token)  # requests/s, every prompt computed
-            workload = Workload(num_prompts=max(int(args.prompts_per_replica * n), 2), system_tokens=args.system_tokens,
-                                question_tokens=args.question_tokens, output_tokens=args.output_tokens,
-                                num_requests=args.requests_per_replica * n, rate=args.load * capacity,
-                                zipf=args.zipf, seed=n)
             for policy in ("prefix", "round_robin"):
-                result = simulate(policy, n, workload, times, slots=args.slots, cache_blocks=args.cache_tokens // 16,
-                                  report_period=args.report_period, seed=n)
-                rows.append(result_row(result))
-                bar.update()
+                runs = []
+                for k in range(args.seeds):
+                    seed = n + 1000 * k
+                    workload = Workload(num_prompts=max(int(args.prompts_per_replica * n), 2),
+                                        system_tokens=args.system_tokens, question_tokens=args.question_tokens,
+                                        output_tokens=args.output_tokens, num_requests=args.requests_per_replica * n,
+                                        rate=args.load * capacity, zipf=args.zipf, seed=seed)
+                    runs.append(result_row(simulate(policy, n, workload, times, slots=args.slots,
+                                                    cache_blocks=args.cache_tokens // 16,
+                                                    report_period=args.report_period, seed=seed)))
+                    bar.update()
+                rows.append(seed_summary(runs))
     print(f"{'replicas':>8} {'policy':12} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9}")
     for row in rows:
         print(f"{row['replicas']:>8} {row['policy']:12} {row['hit_rate']:>8.3f} {row['ttft_p50'] * 1000:>7.0f}ms "
@@ -85,6 +92,18 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(out, indent=2))
     plot(rows, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")
+
+
+def seed_summary(runs: list[dict]) -> dict:
+    """One row for the runs of one (replicas, policy): hit rate, TTFT p50 and mean wait averaged, p99
+    the median run's (a tail is noisy from one workload to the next)."""
+    if len(runs) == 1:
+        return runs[0]
+    row = dict(runs[0], seeds=len(runs), requests=sum(r["requests"] for r in runs))
+    for key in ("hit_rate", "ttft_p50", "mean_wait"):
+        row[key] = statistics.fmean(r[key] for r in runs)
+    row["ttft_p99"] = statistics.median(r["ttft_p99"] for r in runs)
+    return row
 
 
 def plot(rows: list[dict], path: Path) -> None:

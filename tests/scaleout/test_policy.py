@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -82,6 +83,59 @@ def test_index_estimates_the_prefill_work_queued_at_each_replica() -> None:
     index.report("a", [1, 2], queue=3, now=0.4, work=2.5)  # its own figure replaces the estimate
     index.routed("a", [3], now=0.5, work=3)
     assert index.views(["a"], now=0.6)[0].work_ahead == 5.5
+
+
+@dataclass
+class Progress:
+    """A request's progress as the front marks it (policy.RouteProgress)."""
+
+    prefilled_at: float | None = None
+    finished_at: float | None = None
+
+
+def view(index: PrefixIndex, rid: str, now: float) -> tuple[int, float, set[int]]:
+    v = index.views([rid], now)[0]
+    return v.queue, v.work_ahead, {h for h in range(10) if h in v.cached}
+
+
+def test_index_learns_of_a_tracked_requests_prefill_and_end_before_any_report() -> None:
+    """A burst's follow-up after the first request ended must see the replica idle and holding the
+    prefix, however late its reports come: the first request's work leaves at its first token, its
+    place in the queue at its end, and its blocks count until a report taken after its prefill."""
+    index = PrefixIndex(optimistic_ttl=1.0)
+    first = Progress()
+    index.routed("a", [1, 2, 3], now=0.0, work=4, progress=first)
+    assert view(index, "a", 0.1) == (1, 4, {1, 2, 3})
+    index.report("a", [], queue=1, now=0.2, work=4, taken=100.0)  # taken while it waited: counts it
+    assert view(index, "a", 0.3) == (1, 4, {1, 2, 3})
+    first.prefilled_at = 100.5
+    assert view(index, "a", 0.6) == (1, 0, {1, 2, 3})  # the reported 4 blocks were its own
+    first.finished_at = 101.0
+    assert view(index, "a", 9.0) == (0, 0, {1, 2, 3})  # far past the ttl, no report since: still held
+    index.report("a", [1, 2, 3], queue=1, now=9.1, work=0, taken=100.9)  # after its prefill, before its end
+    assert view(index, "a", 9.2) == (0, 0, {1, 2, 3})
+    index.report("a", [2], queue=0, now=9.5, work=0, taken=101.5)  # after its end, 1 and 3 evicted
+    assert view(index, "a", 9.6) == (0, 0, {2})
+    # a route whose prefill a report shows is the report's to answer for: eviction drops it
+    second = Progress(prefilled_at=102.0)
+    index.routed("a", [4], now=9.7, work=1, progress=second)
+    index.report("a", [], queue=1, now=9.8, work=0, taken=102.5)
+    assert view(index, "a", 9.9) == (1, 0, set())
+
+
+def test_index_drops_tracked_routes_its_reports_no_longer_count() -> None:
+    """A tracked request that ended unmarked (its caller gone) must not hold a place forever: once
+    the replica's queue is shorter than the routes it had counted, the oldest go."""
+    index = PrefixIndex(optimistic_ttl=1.0)
+    lost, running = Progress(), Progress()
+    index.routed("a", [1], now=0.0, work=2, progress=lost)
+    index.routed("a", [2], now=0.1, work=2, progress=running)
+    index.report("a", [], queue=2, now=0.2, work=4, taken=10.0)
+    assert view(index, "a", 0.3) == (2, 4, {1, 2})
+    index.report("a", [2], queue=1, now=0.4, work=0, taken=10.5)
+    assert view(index, "a", 0.5) == (1, 0, {2})
+    running.finished_at = 11.0
+    assert view(index, "a", 0.6) == (0, 0, {2})
 
 
 def test_block_hashes_agree_across_processes_with_one_key() -> None:

@@ -69,6 +69,9 @@ def direct(front, prompt: str, exclude: tuple[str, ...], key: str = "user-key") 
     handle = next(iter(state.engine.versions.values())).handle
     for item in handle.options(stream=True).generate.remote(request):
         replica = item.replica_id
+        if item.update is not None and request.prefilled_at is None:
+            request.prefilled_at = time.time()
+    request.finished_at = time.time()  # marked as the front marks its requests, for the router
     return replica
 
 
@@ -95,10 +98,9 @@ def test_shared_prefix_lands_on_the_replica_holding_it_and_follows_evictions(fro
     first = complete(front, PREFIX_P + "question 0")
     assert first.status_code == 200, first.text
     holder = next(rid for rid, n in routed(front).items() if n > before.get(rid, 0))
-    # the holder's next report: until then the router counts the first request's prefill as still
-    # queued there (it learns of finished work from reports) and may send the next one elsewhere;
-    # reports come every 0.2 s, but a loaded machine delays Ray's polling (a CI run once saw > 0.5 s)
-    time.sleep(2.0)
+    # no wait for the holder's next report (a loaded machine delays Ray's polling by seconds): the
+    # front marks its requests' first token and end for the router, which so knows the holder idle
+    # and holding P
     for i in range(1, 7):
         r = complete(front, PREFIX_P + f"question {i}")
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 160, r.text
@@ -114,7 +116,7 @@ def test_shared_prefix_lands_on_the_replica_holding_it_and_follows_evictions(fro
     assert direct(front, PREFIX_P + "question on the other", exclude=(holder,)) == other
     for i in range(8):
         assert direct(front, f"{i} filler " * 25, exclude=(other,)) == holder
-    time.sleep(2.5)  # the holder's report without P (see above), and past the router's optimistic memory
+    time.sleep(2.5)  # the holder's report without P: the eviction is only known from reports
     r = complete(front, PREFIX_P + "question after eviction")
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 160, r.text
     decisions = front.state.engine.ledger.snapshot()[0]
@@ -131,7 +133,6 @@ def test_shared_prefix_lands_on_the_replica_holding_it_and_follows_evictions(fro
 def test_a_tenants_quota_holds_across_replicas(front) -> None:
     holder_p = direct(front, PREFIX_P + "seed", exclude=(), key="alice-key")
     direct(front, PREFIX_Q + "seed", exclude=(holder_p,), key="alice-key")
-    time.sleep(2.0)  # both holders report (see the test above)
     before = routed(front)
     codes = [complete(front, prefix + "alice asks", key="alice-key").status_code
              for prefix in (PREFIX_P, PREFIX_Q, PREFIX_P)]

@@ -35,7 +35,8 @@ class ScaleOutConfig(Config):
                                    "idlest is passed over even when it holds the prefix")
     optimistic_ttl: float = option(
         2.0, "prefix routing: seconds a routed request's blocks count as held by its replica before that "
-             "replica's own reports (which also show evictions) take over")
+             "replica's own reports (which also show evictions) take over, for requests the front does not "
+             "track (its own requests count until a report taken after their prefill)")
     routing_stats_period: float = option(0.5, "seconds between the replicas' reports of their cached blocks")
     max_attempts: int = option(3, "tries per request when a replica is lost before any of it reached the client")
     ray_address: str | None = option(None, "Ray cluster to join (default: start a local one)")

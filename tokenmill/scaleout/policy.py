@@ -28,8 +28,11 @@ requests' prefills for longer than that.
 
 :class:`PrefixIndex` keeps what each replica reported, plus the requests routed to it since
 (their blocks will be there once prefilled): a burst of requests sharing a new prefix follows
-the first one before the replica's next report. Those optimistic entries expire after
-``optimistic_ttl`` seconds, so after a replica evicts a prefix, routing follows its reports.
+the first one before the replica's next report. A request whose progress the caller tracks (the
+front marks its first token and its end) leaves the replica's prefill work and queue as it
+happens, and its blocks count until a report taken after its prefill shows whether they are
+still there; an untracked one's blocks count for ``optimistic_ttl`` seconds. Either way, after a
+replica evicts a prefix, routing follows its reports.
 
 Pure: no Ray, no clocks of its own (times are passed in); the Ray request router
 (ray_router.py) and the simulator (simulate.py) both run it.
@@ -39,9 +42,10 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 REASONS = ("prefix", "balance", "spread", "round_robin")
 
@@ -148,65 +152,120 @@ def make_policy(name: str, **kwargs) -> PrefixAwarePolicy | RoundRobinPolicy:
     return POLICIES[name](**kwargs) if name == "prefix" else POLICIES[name]()
 
 
+class RouteProgress(Protocol):
+    """A routed request's progress as the router's caller sees it, in the clock of the replicas'
+    reports (``PrefixIndex.report(taken=)``): each None until it happens."""
+
+    prefilled_at: float | None
+    """When its first token came back: its blocks are cached at the replica, its prefill done."""
+    finished_at: float | None
+    """When it ended (done, failed or aborted): it left the replica's queue."""
+
+
+@dataclass(eq=False)
+class _Route:
+    """A request routed to a replica, kept until the replica's reports account for it."""
+
+    hashes: tuple[int, ...]
+    work: float
+    """Its uncached blocks when routed (what it adds to the replica's prefill queue)."""
+    at: float
+    """When it was routed (the router's clock)."""
+    progress: RouteProgress | None = None
+    """Tracked: its progress. Untracked (None): its blocks count for ``optimistic_ttl`` seconds, its
+    work and its place in the queue until the replica's next report."""
+    seen: bool = False
+    """A report came after it was routed: the reported queue counts it."""
+    in_work: bool = False
+    """The last report of prefill work counts its work (it was not prefilled when that was taken)."""
+    confirmed: bool = False
+    """Tracked: a report taken after its prefill says whether its blocks are still there."""
+
+
 @dataclass
 class _Replica:
     reported: frozenset[int] = frozenset()
     queue: int = 0
-    routed: dict[int, float] = field(default_factory=dict)
-    """Hashes of requests routed here since, by when they were routed."""
-    in_flight: int = 0
-    """Requests routed here since the last report (added to its reported queue)."""
-    pending: deque[float] = field(default_factory=deque)
-    """Uncached blocks of the requests routed here since its last report of its prefill work (or,
-    when it reports none, of all routed here, trimmed to its queue at each report: the oldest
-    finish first)."""
     reported_work: float = 0.0
     """Blocks it had left to prefill at its last report."""
+    routes: list[_Route] = field(default_factory=list)
 
 
 class _Held:
-    """What a replica holds, as the router believes: its report, plus recent routes (no copy made)."""
+    """What a replica holds, as the router believes: its report, plus its routes' blocks."""
 
-    __slots__ = ("reported", "routed", "horizon")
+    __slots__ = ("reported", "routed")
 
-    def __init__(self, reported: frozenset[int], routed: dict[int, float], horizon: float) -> None:
-        self.reported, self.routed, self.horizon = reported, routed, horizon
+    def __init__(self, reported: frozenset[int], routed: set[int]) -> None:
+        self.reported, self.routed = reported, routed
 
     def __contains__(self, h: int) -> bool:
-        return h in self.reported or self.routed.get(h, self.horizon) > self.horizon
+        return h in self.reported or h in self.routed
 
 
 class PrefixIndex:
-    """Per replica: the block hashes and queue it last reported, plus what was routed to it since."""
+    """Per replica: the block hashes, queue and prefill work it last reported, plus the requests
+    routed to it that its reports have not accounted for yet.
+
+    A tracked route (``routed(..., progress=)``) leaves the replica's prefill work when its first
+    token comes and its queue when it ends, at once, before any report says so; its blocks count
+    as held until a report taken after its prefill shows whether they still are, however late
+    reports come. An untracked route's blocks count for ``optimistic_ttl`` seconds, its work and
+    its place in the queue until the replica's next report."""
 
     def __init__(self, optimistic_ttl: float = 2.0) -> None:
         self.optimistic_ttl = optimistic_ttl
         self._replicas: dict[str, _Replica] = {}
 
     def report(self, replica_id: str, hashes: Sequence[int] | frozenset[int], queue: int,
-               now: float | None = None, work: float | None = None) -> None:
+               now: float | None = None, work: float | None = None, taken: float | None = None) -> None:
         """A replica's own report replaces what it held (evicted blocks drop out), its queue and,
-        when given, the blocks it has left to prefill (``work``); ``now``: also drop its routes
-        older than the ttl."""
+        when given, the blocks it has left to prefill (``work``; without it the routes since its last
+        report leave the estimate oldest first, down to its queue). ``now``: also drop untracked
+        routes older than the ttl. ``taken``: when it was taken, in the tracked routes' clock (None:
+        what they did before it was read counts as before it was taken)."""
         replica = self._replicas.setdefault(replica_id, _Replica())
         replica.reported = hashes if isinstance(hashes, frozenset) else frozenset(hashes)
-        replica.queue, replica.in_flight = queue, 0
+        replica.queue = queue
         if work is not None:
             replica.reported_work = work
-            replica.pending.clear()
-        while len(replica.pending) > queue:
-            replica.pending.popleft()
-        if now is not None and replica.routed:
-            horizon = now - self.optimistic_ttl
-            replica.routed = {h: t for h, t in replica.routed.items() if t > horizon}
+        horizon = now - self.optimistic_ttl if now is not None else None
 
-    def routed(self, replica_id: str, hashes: Sequence[int], now: float, work: float = 0.0) -> None:
-        """A request went to ``replica_id``: its blocks will be there; ``work``: its uncached blocks."""
+        def by_then(t: float | None) -> bool:
+            return t is not None and (taken is None or t <= taken)
+        kept, unreported, running = [], [], []
+        for route in replica.routes:
+            progress = route.progress
+            if progress is None:
+                if horizon is not None and route.at <= horizon:
+                    continue
+                prefilled = False
+            else:
+                if by_then(progress.finished_at):  # the report's queue and blocks already show it
+                    continue
+                prefilled = by_then(progress.prefilled_at)
+                route.confirmed = route.confirmed or prefilled
+                if route.seen and progress.finished_at is None:
+                    running.append(route)
+            if work is not None:
+                route.in_work = not prefilled
+            elif not route.in_work and not prefilled:
+                unreported.append(route)
+            route.seen = True
+            kept.append(route)
+        for route in unreported[:max(0, len(unreported) - queue)]:  # no work figure: the oldest done first
+            route.work = 0.0
+        # its queue bounds the tracked routes still there (of those routed before the last report: a
+        # newer one may not have reached it): more means some ended unmarked, the oldest go
+        lost = {id(route) for route in running[:max(0, len(running) - queue)]}
+        replica.routes = [route for route in kept if id(route) not in lost]
+
+    def routed(self, replica_id: str, hashes: Sequence[int], now: float, work: float = 0.0,
+               progress: RouteProgress | None = None) -> None:
+        """A request went to ``replica_id``: its blocks will be there; ``work``: its uncached blocks;
+        ``progress``: the request's, to track it."""
         replica = self._replicas.setdefault(replica_id, _Replica())
-        for h in hashes:
-            replica.routed[h] = now
-        replica.in_flight += 1
-        replica.pending.append(work)
+        replica.routes.append(_Route(tuple(hashes), work, now, progress))
 
     def forget(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)
@@ -218,9 +277,17 @@ class PrefixIndex:
             replica = self._replicas.get(rid)
             if replica is None:
                 replica = self._replicas[rid] = _Replica()
-            views.append(ReplicaView(rid, replica.queue + replica.in_flight,
-                                     _Held(replica.reported, replica.routed, horizon),
-                                     replica.reported_work + sum(replica.pending)))
+            queue, work, held = replica.queue, replica.reported_work, set()
+            for route in replica.routes:
+                progress = route.progress
+                finished = progress is not None and progress.finished_at is not None
+                prefilled = progress is not None and progress.prefilled_at is not None
+                queue += (-1 if route.seen else 0) if finished else (0 if route.seen else 1)
+                if route.in_work == prefilled:  # counted by the report and done since, or not counted and not done
+                    work += -route.work if prefilled else route.work
+                if (route.at > horizon) if progress is None else not route.confirmed:
+                    held.update(route.hashes)
+            views.append(ReplicaView(rid, max(0, queue), _Held(replica.reported, held), max(0.0, work)))
         return views
 
 

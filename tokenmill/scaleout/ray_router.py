@@ -7,8 +7,10 @@ queue has room (``max_ongoing_requests``), so an overloaded choice spills to the
 
 What it reads: ``RunningReplica.routing_stats``, the dict each replica's
 ``record_routing_stats`` returned when Ray's controller last polled it
-(``request_routing_stats_period_s``): its cached block hashes, its queue, its prefix-cache
-counters. A request's hashes travel in its :class:`~tokenmill.scaleout.replica.ReplicaRequest`.
+(``request_routing_stats_period_s``): its cached block hashes, its queue, its prefill work, when
+it was taken. A request's hashes travel in its :class:`~tokenmill.scaleout.replica.ReplicaRequest`,
+on which the front marks its first token and its end: the index learns of a finished prefill or
+request at once, not at the replica's next report (which a loaded machine can delay by seconds).
 Calls other than ``generate`` (``describe``) are ranked as Ray's own router would, all at once.
 
 Ray instantiates this class itself, so the front cannot hand it objects: the decision is left on
@@ -42,7 +44,7 @@ class PrefixRequestRouter(RequestRouter):
             if seq is not None and self._seen.get(rid) != seq:
                 self._seen[rid] = seq
                 self.index.report(rid, stats.get("hashes", ()), stats.get("queue", 0), time.monotonic(),
-                                  stats.get("prefill_blocks"))
+                                  stats.get("prefill_blocks"), stats.get("taken"))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -56,9 +58,10 @@ class PrefixRequestRouter(RequestRouter):
         now = time.monotonic()
         decision = self.policy.choose(request.block_hashes, self.index.views(list(by_id), now))
         # noted as decided: Ray tells routers where a request went only under its strict
-        # max_ongoing_requests mode; the front learns where each really ran from the replica
+        # max_ongoing_requests mode; the front learns where each really ran from the replica. Tracked
+        # on the request itself: the front marks its first token and its end on this object
         self.index.routed(decision.replica_id, request.block_hashes, now,
-                          uncached_blocks(request.block_hashes, decision))
+                          uncached_blocks(request.block_hashes, decision), progress=request)
         request.decision = decision  # the front's own object (this process): its metrics read it
         chosen = by_id[decision.replica_id]
         return [[chosen], [r for r in usable if r is not chosen]]

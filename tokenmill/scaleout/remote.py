@@ -289,6 +289,7 @@ class RemoteEngine:
                 replica = None
                 request.timeout = deadline - time.monotonic()
                 request.exclude = tuple(excluded)
+                request.prefilled_at = None  # the router's record of this attempt (policy.RouteProgress)
                 if request.timeout <= 0:
                     queue.put_nowait(EngineUpdate(request.request_id, None, True, error="deadline",
                                                   message="the request passed its deadline and was aborted"))
@@ -313,6 +314,8 @@ class RemoteEngine:
                                 self.ledger.record(request.decision)
                                 request.decision = None
                             continue
+                        if request.prefilled_at is None:
+                            request.prefilled_at = time.time()
                         update = _on_our_clock(item)
                         if record is not None:
                             _account(record, update, item.cost)
@@ -347,6 +350,8 @@ class RemoteEngine:
                     logger.warning("replica %s lost request %s before it reached the client; retrying (%d/%d)",
                                    replica, request.request_id, attempt, self.max_attempts)
         finally:
+            now = time.time()
+            request.prefilled_at, request.finished_at = request.prefilled_at or now, now
             if record is not None:
                 self.meter.close(request.request_id)
 

@@ -62,6 +62,11 @@ class ReplicaRequest:
     """Replicas not to route it to (ones that failed it before)."""
     decision: Decision | None = None
     """Set by the request router (in the front's process) when it routes the request."""
+    prefilled_at: float | None = None
+    """Set by the front (time.time()) at its first token: the router tracks its route
+    (policy.RouteProgress) on this object, in the front's process."""
+    finished_at: float | None = None
+    """Set by the front (time.time()) when it ended, however it ended."""
 
 
 @dataclass
@@ -197,7 +202,7 @@ class EngineReplica:
 
         def read() -> dict[str, Any]:
             snap = engine.snapshot()
-            return {"report": self._reports, "hashes": engine.cached_block_hashes(),
+            return {"report": self._reports, "taken": time.time(), "hashes": engine.cached_block_hashes(),
                     "queue": snap.num_running + snap.num_waiting,
                     "prefill_blocks": engine.prompt_tokens_left() / engine.config.cache.block_size}
         return await self.engine.call(read)

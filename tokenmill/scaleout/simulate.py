@@ -2,7 +2,7 @@
 
 The router is the real one (policy.py: the same PrefixAwarePolicy, RoundRobinPolicy and
 PrefixIndex the Ray request router runs, fed reports every ``report_period`` seconds and the
-requests routed since); the replicas are a model, with service times measured on this machine::
+requests routed since, and when each finished); the replicas are a model, with service times measured on this machine::
 
     replica:  ``slots`` requests at once (max_num_seqs), the rest wait in FIFO order
               a prefix cache of ``cache_blocks`` blocks, least recently used evicted first
@@ -74,6 +74,9 @@ class _Request:
     hashes: list[int]
     prompt_tokens: int
     output_tokens: int
+    prefilled_at: float | None = None
+    finished_at: float | None = None
+    """Set as they happen: the router tracks its route (policy.RouteProgress), as the front's."""
 
 
 class _Replica:
@@ -155,7 +158,8 @@ def simulate(policy_name: str, replicas: int, workload: Workload, times: Service
         waits.append(prefill_start - request.arrival)
         hit_tokens += hit
         prompt_tokens += request.prompt_tokens
-        push(node.prefill_free_at + request.output_tokens * times.decode_per_token, "finish", rid)
+        push(node.prefill_free_at, "prefilled", request)
+        push(node.prefill_free_at + request.output_tokens * times.decode_per_token, "finish", (rid, request))
 
     while events and remaining:
         now, _, kind, payload = heapq.heappop(events)
@@ -163,24 +167,29 @@ def simulate(policy_name: str, replicas: int, workload: Workload, times: Service
             for rid, node in nodes.items():
                 backlog = max(node.prefill_free_at - now, 0.0) / times.prefill_per_token / block_size
                 backlog += sum(len(r.hashes) + 1 for r in node.waiting)  # not started: counted uncached
-                index.report(rid, frozenset(node.cache), node.queue, now, backlog)
+                index.report(rid, frozenset(node.cache), node.queue, now, backlog, taken=now)
             push(now + report_period, "report", None)
         elif kind == "arrive":
             request: _Request = payload
             decision = policy.choose(request.hashes, index.views(ids, now))
-            index.routed(decision.replica_id, request.hashes, now, uncached_blocks(request.hashes, decision))
+            index.routed(decision.replica_id, request.hashes, now, uncached_blocks(request.hashes, decision),
+                         progress=request)
             node = nodes[decision.replica_id]
             node.served += 1
             if node.running < node.slots:
                 start(decision.replica_id, node, request, now)
             else:
                 node.waiting.append(request)
+        elif kind == "prefilled":
+            payload.prefilled_at = now
         else:  # finish
             remaining -= 1
-            node = nodes[payload]
+            rid, done = payload
+            done.finished_at = now
+            node = nodes[rid]
             node.running -= 1
             if node.waiting:
-                start(payload, node, node.waiting.popleft(), now)
+                start(rid, node, node.waiting.popleft(), now)
     ttfts.sort()
     return SimResult(policy_name, replicas, hit_tokens / max(prompt_tokens, 1), _quantile(ttfts, 0.5),
                      _quantile(ttfts, 0.99), sum(waits) / max(len(waits), 1), len(ttfts),

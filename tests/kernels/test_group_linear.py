@@ -192,7 +192,7 @@ def test_rows_do_not_depend_on_the_batch_nor_the_threads(dtype, bits, group_size
 
     for i in range(0, 300, 13):
         assert torch.equal(mm(x[i:i + 1])[0], want(1)[i])
-    for m in (2, 3, 4, 7, 15, 16, 17, 23, 24, 25, 31, 32, 33):  # block sizes, row tiles of 16 and tails
+    for m in (2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 23, 24, 25, 31, 32, 33):  # block sizes, row tiles of 16 and tails
         assert torch.equal(mm(x[:m]), want(m)[:m])
         assert torch.equal(mm(x[m:2 * m]), want(m)[m:2 * m])
     three, five = mm(x[:3]), mm(x[:5])
@@ -250,7 +250,7 @@ def test_fixed_point_products_run_where_the_cpu_has_vnni():
     TOKENMILL_FIXED_ROWS moves the line)."""
     flags = cpu_flags()
     has = ops.group_linear_fast() and {"avx512_vnni", "avx512_bf16"} <= flags
-    assert ops.fixed_point_rows() == (int(os.environ.get("TOKENMILL_FIXED_ROWS", 5)) if has else 0)
+    assert ops.fixed_point_rows() == (int(os.environ.get("TOKENMILL_FIXED_ROWS", 7)) if has else 0)
 
 
 def test_tokenmill_fixed_rows_moves_the_line():

@@ -100,8 +100,12 @@ def prompts(llm: LLM, workload: str, n: int, seed: int) -> list[list[int]]:
 
 def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> dict:
     """One generate call -> output tok/s, drafted / kept tokens, verifications, kept per position,
-    output tokens per engine step."""
+    output tokens per engine step. The n-gram proposer's memory of finished answers is cleared first:
+    the same prompts run again and again here, and their earlier answers would draft the next."""
     drafter = llm.engine.drafter
+    forget = getattr(drafter.proposer, "forget_history", None) if drafter else None
+    if forget is not None:
+        forget()
     c = drafter.counters if drafter else None
     before = (c.num_draft_tokens, c.num_accepted_tokens, c.num_drafts, list(c.accepted_per_position)) if c else None
     llm.engine.stats.clear()

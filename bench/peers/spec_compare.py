@@ -102,8 +102,12 @@ def main() -> None:
     if source.format != "gguf":
         parser.error(f"{args.model} is not a GGUF model: both servers must load the same GGUF file")
     tokenizer = load_tokenizer(args.model)
-    work = {(w, c): conversations(tokenizer, w, max(args.requests, c), args.output_len, args.seed + i)
-            for i, w in enumerate(args.workloads) for c in loads}
+    # prompts of their own for every point and for the warm-up: a server's n-gram memory of a tenant's
+    # finished answers would otherwise draft a point's answers from an earlier point's identical ones
+    pairs = [(w, c) for w in args.workloads for c in loads]
+    work = {(w, c): conversations(tokenizer, w, max(args.requests, c), args.output_len, args.seed + 1 + i)
+            for i, (w, c) in enumerate(pairs)}
+    warm = conversations(tokenizer, args.workloads[0], 2, args.output_len, args.seed + 1 + len(pairs))
 
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -115,7 +119,7 @@ def main() -> None:
         try:
             with running(server, Path(f"{stem}-{server.name.replace(' ', '-')}.log"), args.startup_timeout) as root:
                 client = ClientConfig(root, served_model(root), "chat", ignore_eos=True, temperature=0.0)
-                run_serve(client, LoadConfig(max_concurrency=2), work[next(iter(work))][:2], count, progress=False)
+                run_serve(client, LoadConfig(max_concurrency=2), warm, count, progress=False)
                 for (w, c), convs in work.items():
                     s = run_serve(client, LoadConfig(max_concurrency=c), convs, count, progress=False).summary
                     results.setdefault(server.name, {})[f"{w} c={c}"] = {

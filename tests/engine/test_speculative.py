@@ -387,6 +387,25 @@ def test_the_realised_gain_is_a_ratio_of_sums_with_one_off_costs_capped():
     assert gain.gain(1) == pytest.approx(3 * 0.005 / 0.008, rel=0.1)
 
 
+def test_drafting_steps_that_find_nothing_neither_win_nor_lose():
+    """An answer's opening often matches nothing to look up: such steps are plain steps plus the
+    lookups, slower or faster than the plain median by noise alone. They must not turn drafting off
+    (they did: a run of them pulled the recent average under 1, and the probes' waits doubled); their
+    lookups' time is charged to the next step that verified something."""
+    from tokenmill.engine.spec.gain import RealisedGain
+
+    gain = RealisedGain()
+    _drive(gain, 1, 20, 0.005, (3, 0.008, 4))
+    before = gain.gain(1)
+    for _ in range(30):
+        gain.observe(1, True, 1, 0.0056, 0, proposer_seconds=0.0001)  # 12% over the plain step, nothing verified
+    assert gain.gain(1) == before  # still winning: no probe waits
+    gain.observe(1, True, 3, 0.008, 4, proposer_seconds=0.0001)
+    once = gain.gain(1)
+    gain.observe(1, True, 3, 0.008, 4)
+    assert once < before and once < gain.gain(1)  # the 3 ms of lookups charged to that one step, once
+
+
 def test_the_realised_check_compares_at_the_same_batch_size():
     """As sequences finish the batch shrinks: a drafting step is compared with plain steps near its
     own size (within 1/8), and a size with none nearby measures plain first."""
@@ -447,6 +466,11 @@ def test_ngram_drafts_from_the_same_tenants_recent_outputs_only():
     asking_a = seq([9, 8, 41, 42], [], "tenant-a")
     asking_b = seq([9, 8, 41, 42], [], "tenant-b")
     assert [d.token_ids for d in p.propose([asking_a, asking_b], [3, 3])] == [[43, 44, 45], []]
+    p.finished(seq([1, 2, 3], [41, 42, 50], "tenant-b"))
+    p.forget_history("tenant-a")  # one tenant's memory goes, the other's stays
+    assert [d.token_ids for d in p.propose([asking_a, asking_b], [3, 3])] == [[], [50]]
+    p.forget_history()
+    assert [d.token_ids for d in p.propose([asking_a, asking_b], [3, 3])] == [[], []]
 
 
 BF16_NEAR_TIE = 0.25

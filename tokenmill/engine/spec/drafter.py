@@ -168,7 +168,7 @@ class Drafter:
         self.step_cost.observe(num_batched_tokens, seconds - self._draft_seconds)
         if num_decoding:
             self.realised.observe(num_decoding, self._proposed, produced, seconds,
-                                  num_batched_tokens - num_decoding)
+                                  num_batched_tokens - num_decoding, self._draft_seconds)
 
     @property
     def last_draft_seconds(self) -> float:

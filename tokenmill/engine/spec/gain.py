@@ -94,6 +94,9 @@ class RealisedGain:
         """Bucket -> drafting steps left in the probe under way (losing)."""
         self._wait: dict[int, int] = {}
         """Bucket -> plain steps before its next probe (losing)."""
+        self._lookups: dict[int, float] = {}
+        """Bucket -> proposer seconds of its drafting steps that found nothing to verify, charged to the
+        next one that did."""
 
     def drafts(self, n: int) -> bool:
         """Whether a step with ``n`` decoding sequences runs the proposer (else: a plain step)."""
@@ -109,11 +112,15 @@ class RealisedGain:
         worth, seconds = self._worth.get(batch_bucket(n), (1.0, 1.0))
         return worth / seconds
 
-    def observe(self, n: int, drafted: bool, produced: int, seconds: float, verified: int = 0) -> None:
+    def observe(self, n: int, drafted: bool, produced: int, seconds: float, verified: int = 0,
+                proposer_seconds: float = 0.0) -> None:
         """A decode-only step over ``n`` sequences: whether the proposer ran, the tokens produced,
-        its whole time (proposer included), and how many drafted tokens it verified. A probe step
-        with nothing to verify (the proposer found nothing) tells nothing of what drafting is worth;
-        a drafting step of a winning bucket with nothing to verify counts (its lookups cost)."""
+        its whole time (proposer included), how many drafted tokens it verified, and the proposer's
+        part of its time. A drafting step with nothing to verify (the proposer found nothing) was a
+        plain step plus its lookups: it is no sample of what drafting is worth (its time against the
+        plain median is noise, and a run of them, as an answer's opening that matches nothing, would
+        pull the recent average under 1 and turn drafting off), but its lookups' time is added to the
+        next sample of the bucket (at 64 streams lookups cost)."""
         if n <= 0 or not seconds > 0:
             return
         b = batch_bucket(n)
@@ -131,8 +138,12 @@ class RealisedGain:
             self._probe[b] = 0
             self._since[b] = self._since.get(b, 0) + 1
         plain = self.plain(n)
-        if plain is not None and produced > 0 and (verified or not losing):
-            sample = (produced / n * plain, min(seconds, CLIP * plain * (n + verified) / n))
+        if not verified:
+            if not losing:
+                self._lookups[b] = self._lookups.get(b, 0.0) + proposer_seconds
+        elif plain is not None and produced > 0:
+            sample = (produced / n * plain,
+                      min(seconds, CLIP * plain * (n + verified) / n) + self._lookups.pop(b, 0.0))
             old = self._worth.get(b)
             self._worth[b] = list(sample) if old is None else [(1 - _EMA) * o + _EMA * x for o, x in zip(old, sample)]
         if self.gain(n) >= 1.0:

@@ -62,6 +62,15 @@ class NgramProposer:
         while len(self._recent) > RECENT_TENANTS:
             self._recent.popitem(last=False)
 
+    def forget_history(self, cache_salt: str | None = ..., /) -> None:
+        """Drop the finished sequences kept for later lookups: one tenant's (its prefix-cache salt), or
+        every tenant's when none is named. (A benchmark repeating its prompts clears them, or the
+        earlier runs' answers would draft the next runs'.)"""
+        if cache_salt is ...:
+            self._recent.clear()
+        else:
+            self._recent.pop(cache_salt, None)
+
     def lookup_in(self, texts: Sequence[np.ndarray], token_ids: Sequence[int], k: int) -> list[int]:
         """What followed the longest matching n-gram (the sequence's last n tokens) in ``texts``,
         newest text first: up to k tokens."""

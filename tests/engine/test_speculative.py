@@ -404,6 +404,13 @@ def test_drafting_steps_that_find_nothing_neither_win_nor_lose():
     once = gain.gain(1)
     gain.observe(1, True, 3, 0.008, 4)
     assert once < before and once < gain.gain(1)  # the 3 ms of lookups charged to that one step, once
+    # where lookups never find anything (64 streams of open text) and cost 2 ms a 60 ms step, they
+    # are charged a plain step's worth at a time, for nothing: drafting turns itself off
+    _drive(gain, 64, 20, 0.06, (100, 0.07, 64))
+    assert gain.gain(64) >= 1.0
+    for _ in range(400):
+        gain.observe(64, gain.drafts(64), 64, 0.062, 0, proposer_seconds=0.002)
+    assert gain.gain(64) < 1.0 and not gain.drafts(64)
 
 
 def test_the_realised_check_compares_at_the_same_batch_size():

@@ -120,7 +120,8 @@ class RealisedGain:
         plain step plus its lookups: it is no sample of what drafting is worth (its time against the
         plain median is noise, and a run of them, as an answer's opening that matches nothing, would
         pull the recent average under 1 and turn drafting off), but its lookups' time is added to the
-        next sample of the bucket (at 64 streams lookups cost)."""
+        next sample of the bucket (at 64 streams lookups cost), or, once it adds up to a plain step,
+        is a sample of its own that produced nothing (a workload where lookups never find anything)."""
         if n <= 0 or not seconds > 0:
             return
         b = batch_bucket(n)
@@ -138,12 +139,16 @@ class RealisedGain:
             self._probe[b] = 0
             self._since[b] = self._since.get(b, 0) + 1
         plain = self.plain(n)
+        sample = None
         if not verified:
             if not losing:
                 self._lookups[b] = self._lookups.get(b, 0.0) + proposer_seconds
+                if plain is not None and self._lookups[b] >= plain:  # a whole step's worth of lookups for nothing
+                    sample = (0.0, self._lookups.pop(b))
         elif plain is not None and produced > 0:
             sample = (produced / n * plain,
                       min(seconds, CLIP * plain * (n + verified) / n) + self._lookups.pop(b, 0.0))
+        if sample is not None:
             old = self._worth.get(b)
             self._worth[b] = list(sample) if old is None else [(1 - _EMA) * o + _EMA * x for o, x in zip(old, sample)]
         if self.gain(n) >= 1.0:

@@ -64,12 +64,13 @@
 // path: the weights dequantized to bfloat16 once per call and bf16_linear.cpp's GEMM over them
 // (tiles_dequant, below: other sums, those of the bfloat16 copy of the dequantized weights).
 // Hosts with AVX-512 VNNI, bfloat16 x, calls of 1-6 rows (M < kFixedRows = 7: decode steps of up
-// to 6 sequences, verifications of up to 5 draft tokens): integer products instead of both (strip_rows_fixed), x in 16-bit fixed point per
-// group, codes widened to int16, two vpdpwssd per 64 codes where vdpbf16ps needs two per 64 plus a
-// table lookup each (measured on the AMX host, one core, Q4_1-style codes hot in cache: 20-25
-// against 12 G weights/s; 30 layers of SmolLM2 shapes streamed, 2 threads, 4 rows: 12.7 ms against
-// 13.9-15.9 on tiles, 8 rows: 19.5-26.9 against 16.2-17.5, then in blocks of 3; on the AMD host with 6-row blocks, 5 rows
-// x0.80-0.97 the vector schedule's time, 6 rows x0.92-1.03, 7-8 rows (two blocks) x1.15-1.47, hence 7). TOKENMILL_FIXED_ROWS=n moves
+// to 6 sequences, verifications of up to 5 draft tokens): integer products instead of both
+// (strip_rows_fixed), x in 16-bit fixed point per group, codes widened to int16, two vpdpwssd per 64
+// codes where vdpbf16ps needs two per 64 plus a table lookup each (measured on the AMX host, one
+// core, Q4_1-style codes hot in cache: 20-25 against 12 G weights/s; 30 layers of SmolLM2 shapes
+// streamed, 2 threads, 4 rows: 12.7 ms against 13.9-15.9 on tiles, 8 rows in blocks of 3: 19.5-26.9
+// against 16.2-17.5; on the AMD host with 6-row blocks, against the vector schedules: 5 rows x0.80-0.97
+// the time, 6 rows x0.92-1.03, 7-8 rows in two blocks x1.15-1.47). TOKENMILL_FIXED_ROWS=n moves
 // the line (0: off); KernelPath::VECTOR keeps the vector schedules at every row count.
 // The price of grouped weights against bf16_linear.cpp (one dpbf16 per k pair and nothing else) is
 // the group ends, 2 float32 fmas per group_size / 2 dpbf16 of every accumulator, on the same two
@@ -452,7 +453,16 @@ void tiles_few_rows(const Problem<S>& p, int64_t t_begin, int64_t t_end, T* y) {
 // a result either; what differs from the vector schedules is x's rounding to 15 bits beside the
 // group's largest, a relative error of at most 2^-15 of it (tests/kernels/test_group_linear.py).
 constexpr bool kFixedPoint = true;
-constexpr int64_t kFixedRows = 7;
+// Rows per block of the fixed-point schedule: a tile's codes are unpacked once per block. Blocks of
+// at most 3 rows unpacked them twice at 4 rows (a decode step of 4 sequences, or a verification of 3
+// draft tokens); SmolLM2's 4-row decode step measured 6.2-8.0 ms against 7.4-9.6 with them (noisy
+// host, processes alternated). The row loops are unrolled whole (unroll 8): with unroll 4 a 6-row
+// block left its accumulators in memory (a 6-row step 8.9-9.8 ms against 6.8-8.2 on the vector
+// schedule); 8-row blocks spill registers (21.7 ms at 8 rows, against 10.6-12.1): 24 accumulators
+// beside the codes, broadcasts and constants leave too few of the 32 vector registers.
+constexpr int kFixedBlock = 6;
+// Every call of fewer rows is one block: two blocks (7-8 rows) measured slower than the vector schedules.
+constexpr int64_t kFixedRows = kFixedBlock + 1;
 
 inline int fixed_offset(int bits) { return bits == 7 ? 32 : code_offset(bits); }
 
@@ -615,16 +625,6 @@ void strip_rows_fixed(const Problem<S>& p, const FixedX& fx, int64_t t0, int64_t
 #pragma GCC unroll 4
     for (int t = 0; t < NT; ++t) store_out(y + (m0 + r) * p.N + (t0 + t) * 16, res[r][t]);
 }
-
-// Rows per block of the fixed-point schedule (so every call below kFixedRows is one block): a tile's
-// codes are unpacked once per block. Blocks of at most 3 rows unpacked them twice at 4 rows (a decode
-// step of 4 sequences, or a verification of 3 draft tokens); SmolLM2's 4-row decode step measured
-// 6.2-8.0 ms against 7.4-9.6 with them (noisy host, processes alternated). The row loops are unrolled
-// whole (unroll 8): with unroll 4 a 6-row block left its accumulators in memory (a 6-row step 8.9-9.8
-// ms against 6.8-8.2 on the vector schedule); 8-row blocks spill registers (21.7 ms at 8 rows,
-// against 10.6-12.1), as 24 accumulators beside the codes, broadcasts and constants leave too few of the
-// 32 vector registers.
-constexpr int kFixedBlock = 6;
 
 // The parallel split's grain in tiles for M rows.
 inline int fixed_tiles(int64_t M) { return M == 1 ? 4 : 2; }

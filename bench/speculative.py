@@ -2,7 +2,7 @@
 
     python bench/speculative.py [--model smollm2-135m-instruct] [--methods ngram eagle layerskip]
                                 [--draft-model M] [--eagle-head DIR] [--batches 1 4 16 64] [--rounds 3]
-                                [--max-tokens 192] [--k 4] [--no-adaptive]
+                                [--max-tokens 192] [--k 4] [--no-adaptive] [--min-prompts 8]
 
 Workloads, fixed here and built from the corpus (Shakespeare, public domain) so that every run
 measures the same prompts:
@@ -14,7 +14,8 @@ measures the same prompts:
            "eval": topics no training prompt of a head or a draft distilled on chat names)
 
 Each (workload, batch) runs speculation off and every method in rotating order, ``--rounds``
-times, after a warm-up of WARMUP_TOKENS tokens each, on the same prompts (greedy, EOS allowed;
+times, after a warm-up of WARMUP_TOKENS tokens each, on the same prompts (at least
+``--min-prompts`` of them, ``batch`` at a time: a batch of 1 is 8 prompts one after the other) (greedy, EOS allowed;
 output tokens counted as produced). Reports the median output tok/s of each, the ratio to off,
 the acceptance rate (kept / drafted), the mean accepted length (tokens per verification) and the
 acceptance per draft position. Writes JSON and a PNG under bench/results/.
@@ -98,19 +99,24 @@ def prompts(llm: LLM, workload: str, n: int, seed: int) -> list[list[int]]:
     return [llm.render_chat([{"role": "user", "content": t}]) for t in texts]
 
 
-def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> dict:
-    """One generate call -> output tok/s, drafted / kept tokens, verifications, kept per position,
-    output tokens per engine step. The n-gram proposer's memory of finished answers is cleared first:
-    the same prompts run again and again here, and their earlier answers would draft the next."""
+def run(llm: LLM, ids: list[list[int]], max_tokens: int, batch: int | None = None) -> dict:
+    """The prompts, ``batch`` at a time (one generate call each; all at once without) -> output tok/s,
+    drafted / kept tokens, verifications, kept per position, output tokens per engine step. The n-gram
+    proposer's memory of finished answers is cleared before each batch: the same prompts run again and
+    again here, and their earlier answers would draft the next (a batch's own finished answers still
+    draft for the rest of it, as in a server)."""
     drafter = llm.engine.drafter
     forget = getattr(drafter.proposer, "forget_history", None) if drafter else None
-    if forget is not None:
-        forget()
     c = drafter.counters if drafter else None
     before = (c.num_draft_tokens, c.num_accepted_tokens, c.num_drafts, list(c.accepted_per_position)) if c else None
     llm.engine.stats.clear()
     start = time.perf_counter()
-    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    batch = batch or len(ids)
+    outs = []
+    for i in range(0, len(ids), batch):
+        if forget is not None:  # each batch on its own, as if no earlier batch had run
+            forget()
+        outs += llm.generate(ids[i:i + batch], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     out = {"tok_s": tokens / seconds, "per_step": tokens / max(len(llm.engine.stats), 1), "drafted": 0, "kept": 0,
@@ -148,6 +154,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--min-prompts", type=int, default=8, help="a point whose batch is smaller runs this "
+                        "many prompts (rounded up to whole batches), a batch at a time")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (speculative_adaptive off)")
@@ -163,17 +171,21 @@ def main() -> None:
     rows = []
     for workload in args.workloads:
         for batch in args.batches:
-            ids = prompts(llms["off"], workload, batch, args.seed)
+            # a batch below --min-prompts runs that many prompts, a batch at a time: one prompt is one
+            # sample of how much of its answer a proposer finds (SmolLM2's code answers: 1.5-2.5 tokens
+            # a step from one prompt to the next)
+            n = -(-max(batch, args.min_prompts) // batch) * batch
+            ids = prompts(llms["off"], workload, n, args.seed)
             # warm-up, the same for all: the prompts into the prefix cache, and a first verification at a
             # new size paying its one-off costs (memory faulted in: 1.2 s at 64 streams of Gemma 3)
             for llm in llms.values():
-                run(llm, ids, WARMUP_TOKENS)
+                run(llm, ids, WARMUP_TOKENS, batch)
             runs = {name: [] for name in names}
             for r in range(args.rounds):
                 for name in names[r % len(names):] + names[:r % len(names)]:
-                    runs[name].append(run(llms[name], ids, args.max_tokens))
+                    runs[name].append(run(llms[name], ids, args.max_tokens, batch))
             off = statistics.median(x["tok_s"] for x in runs["off"])
-            row = {"workload": workload, "batch": batch, "off_tok_s": off, "methods": {}}
+            row = {"workload": workload, "batch": batch, "prompts": n, "off_tok_s": off, "methods": {}}
             line = f"{workload:5s} batch {batch:3d}: off {off:7.1f} tok/s"
             for name in names[1:]:
                 tok_s = statistics.median(x["tok_s"] for x in runs[name])

@@ -309,14 +309,47 @@ def test_draft_sizes_follow_the_measured_step_cost():
                 d.step_cost.observe(tokens, base + cost_per_token * tokens)
         seqs = [type("S", (), {"seq_id": f"s{i}"})() for i in range(n)]
         for s in seqs:
-            for _ in range(20):
-                d.acceptance.observe(s.seq_id, 4, round(4 * rate))
+            for _ in range(20):  # first kept with probability `rate`, each next one too
+                d.acceptance.observe(s.seq_id, 4, 0)
+                d.acceptance.observe(s.seq_id, 4, 2)
+            assert d.acceptance.rates(s.seq_id) == pytest.approx((0.5, 0.5), abs=0.06)
+            if rate != 0.5:
+                d.acceptance._per_seq[s.seq_id] = [rate, 1 - rate, rate, 1 - rate]
         return d._sizes(seqs, [4] * n, n, n)
 
     assert sizes(0.0, 0.02, 0.75) == [4] * 4  # flat: draft it all
     assert sizes(0.002, 0.001, 0.5, n=64) == [0] * 64  # every token costs as much as a step: none
     mid = sizes(0.003, 0.01, 0.5)  # acceptance 2/3: the first token of each pays, the second does not
     assert all(0 < k < 4 for k in mid)
+
+
+def test_acceptance_is_learned_for_the_first_token_and_for_each_next_one_given_the_last():
+    """Prompt lookups come all or nothing (in a copied run every token is kept, else the first is
+    wrong): such a sequence's fourth draft token is worth as much as its first, and it drafts its
+    whole cap where a sequence that keeps half of each continuation stops at two."""
+    from tokenmill.engine.spec.cost import Acceptance
+    from tokenmill.engine.spec.drafter import Drafter
+    from tokenmill.engine.spec.ngram import NgramProposer
+
+    acc = Acceptance()
+    for _ in range(30):
+        acc.observe("runs", 4, 4)
+        acc.observe("runs", 4, 0)
+        acc.observe("halves", 4, 2)
+    assert acc.rates("runs") == pytest.approx((0.5, 1.0), abs=0.06)
+    assert acc.rates("halves") == pytest.approx((1.0, 0.5), abs=0.01)
+    assert acc.rates("new") == acc.rates("newer")  # the pooled estimates, both sequences in them
+    acc.observe("x", 0, 0)  # nothing drafted: nothing learned
+    assert "x" not in acc._per_seq
+
+    d = Drafter(SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=4), NgramProposer())
+    d._steps = 1
+    for tokens in range(1, 12):
+        for _ in range(2):
+            d.step_cost.observe(tokens, 0.01 + 0.004 * tokens)
+    d.acceptance = acc
+    one = [type("S", (), {"seq_id": name})() for name in ("runs", "halves")]
+    assert [d._sizes([s], [4], 1, 1) for s in one] == [[4], [2]]
 
 
 def test_the_step_cost_curve_follows_new_measurements():

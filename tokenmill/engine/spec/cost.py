@@ -7,10 +7,15 @@ measured buckets, flat outside them. Flat above the largest measured size is opt
 purpose: a size never tried looks as cheap as the largest tried, so it is tried and measured
 (the first steps at 64 streams with drafts tell the truth).
 
-:class:`Acceptance` estimates the probability that a drafted token is kept, per sequence, from its
-verifications: kept tokens are successes, the first refused one a failure (positions after it were
-never tested), counts decayed so the estimate follows the text. A sequence without history starts
-from the proposer's pooled estimate.
+:class:`Acceptance` estimates, per sequence, the probability that a draft position is kept, from
+its verifications, in two rates: the first drafted token's, and the next ones' once the token
+before was kept (positions after the first refused one were never tested). A draft's position j is
+then worth ``first * next**j`` expected tokens. One rate for every position undervalues long drafts
+where outcomes come all or nothing: a prompt lookup is either in a copied run (every token kept) or
+wrong from its first token, so SmolLM2's copy answers keep the first token 84% of the time and
+each next one, given the last, 94-96%; at one rate (0.7 or so) a fourth token looked worth 0.24
+where it was worth 0.7. Counts decay so the estimates follow the text; a sequence without history
+starts from the proposer's pooled estimates.
 """
 
 from __future__ import annotations
@@ -78,26 +83,49 @@ class CostCurve:
 
 class Acceptance:
     def __init__(self, prior: float = 0.6) -> None:
-        self._pooled = [2 * prior, 2 * (1 - prior)]  # (kept, refused): a prior worth two verifications
+        # (kept, refused) of the first drafted token, then of the next ones given the one before:
+        # each a prior worth two verifications
+        self._pooled = [2 * prior, 2 * (1 - prior), 2 * prior, 2 * (1 - prior)]
         self._per_seq: dict[str, list[float]] = {}
 
+    def rates(self, seq_id: str) -> tuple[float, float]:
+        """(the first drafted token's rate, the next ones' rate given the token before was kept)."""
+        c = self._per_seq.get(seq_id, self._pooled)
+        return _rate(c[0], c[1]), _rate(c[2], c[3])
+
     def rate(self, seq_id: str) -> float:
-        kept, refused = self._per_seq.get(seq_id, self._pooled)
-        return kept / (kept + refused) if kept + refused > 0 else 0.0
+        """The first drafted token's rate."""
+        return self.rates(seq_id)[0]
 
     def observe(self, seq_id: str, num_drafted: int, num_kept: int) -> None:
-        refused = 1.0 if num_kept < num_drafted else 0.0
+        if num_drafted <= 0:
+            return
+        first = (1.0, 0.0) if num_kept else (0.0, 1.0)
+        # positions 1 .. num_kept tested after a kept one: all kept but the first refused, if any
+        nxt = (float(max(num_kept - 1, 0)), 1.0 if 0 < num_kept < num_drafted else 0.0)
         for counts in (self._per_seq.setdefault(seq_id, list(self._pooled)), self._pooled):
-            counts[0] = _DECAY * counts[0] + num_kept
-            counts[1] = _DECAY * counts[1] + refused
+            counts[0] = _DECAY * counts[0] + first[0]
+            counts[1] = _DECAY * counts[1] + first[1]
+            if nxt[0] or nxt[1]:
+                counts[2] = _DECAY * counts[2] + nxt[0]
+                counts[3] = _DECAY * counts[3] + nxt[1]
 
     def relax(self, seq_id: str) -> None:
-        """A step without a draft for the sequence: its estimate moves a little toward the pooled one
+        """A step without a draft for the sequence: its estimates move a little toward the pooled ones
         (about halfway in 7 steps), so one bad stretch does not keep it from drafting for good."""
-        counts, total = self._per_seq.get(seq_id), sum(self._pooled)
-        if counts is not None and total > 0:
-            scale = sum(counts) / total  # the pooled proportions at this sequence's weight of evidence
-            counts[:] = [0.9 * mine + 0.1 * pooled * scale for mine, pooled in zip(counts, self._pooled)]
+        counts = self._per_seq.get(seq_id)
+        if counts is None:
+            return
+        for at in (0, 2):
+            mine, pooled = counts[at:at + 2], self._pooled[at:at + 2]
+            total = sum(pooled)
+            if total > 0:
+                scale = sum(mine) / total  # the pooled proportions at this sequence's weight of evidence
+                counts[at:at + 2] = [0.9 * m + 0.1 * p * scale for m, p in zip(mine, pooled)]
 
     def forget(self, seq_id: str) -> None:
         self._per_seq.pop(seq_id, None)
+
+
+def _rate(kept: float, refused: float) -> float:
+    return kept / (kept + refused) if kept + refused > 0 else 0.0

@@ -12,12 +12,13 @@ random sampling, penalties, min_tokens, logprobs, n > 1 all draft; verification 
 each drafted position as plain decoding would.
 
 How much (``speculative_adaptive``): each step the draft lengths maximise expected tokens per
-second. A draft token at position j of a sequence with acceptance rate a is worth a**j expected
-tokens; adding it costs the step's extra time at one more batched token (and, for a draft model,
+second. A draft token at position j (1-based) of a sequence whose first drafted token is kept with
+probability a, and each next one, given the one before, with probability c, is worth a * c**(j-1)
+expected tokens (cost.Acceptance); adding it costs the step's extra time at one more batched token (and, for a draft model,
 its forward passes), both learned from the engine's own steps (cost.py). Draft tokens go in order
 of worth while they raise tokens / second; under load a step's time grows with every token and
 the drafts shrink to none. A sequence left without a draft drifts back toward the pooled
-acceptance rate, and every ``PROBE_EVERY`` steps each eligible sequence drafts one token whatever
+acceptance rates, and every ``PROBE_EVERY`` steps each eligible sequence drafts one token whatever
 the estimates say: a rate or a cost measured on a bad moment is measured again, at the price of
 one cheap draft token per sequence every ``PROBE_EVERY`` steps. Last, the realised check
 (gain.py): per decoding-batch size, drafting steps are measured against plain steps at the same
@@ -132,9 +133,10 @@ class Drafter:
             return caps
         if self._steps % PROBE_EVERY == 0:
             return [min(1, c) for c in caps]
-        rates = [self.acceptance.rate(seq.seq_id) for seq in seqs]
-        # every candidate draft token, most valuable first: (-worth, sequence index, position)
-        heap = [(-rates[i], i, 1) for i in range(len(seqs)) if caps[i] > 0 and rates[i] > 0]
+        rates = [self.acceptance.rates(seq.seq_id) for seq in seqs]  # (first, next given the one before)
+        # every candidate draft token, most valuable first: (-worth, sequence index, position); position
+        # j + 1 is worth position j's times the next-token rate, so the heap pops a sequence's in order
+        heap = [(-rates[i][0], i, 1) for i in range(len(seqs)) if caps[i] > 0 and rates[i][0] > 0]
         heapq.heapify(heap)
         sizes = [0] * len(seqs)
         base_seconds = self.step_cost(base_tokens)
@@ -143,8 +145,8 @@ class Drafter:
         while heap:
             neg, i, j = heapq.heappop(heap)
             sizes[i], worth, added = j, worth - neg, added + 1
-            if j < caps[i]:
-                heapq.heappush(heap, (neg * rates[i], i, j + 1))
+            if j < caps[i] and rates[i][1] > 0:
+                heapq.heappush(heap, (neg * rates[i][1], i, j + 1))
             seconds = self.step_cost(base_tokens + added) + self._draft_model_seconds(sizes)
             if seconds > 0 and worth / seconds > best:
                 best, best_sizes = worth / seconds, list(sizes)

@@ -14,9 +14,9 @@ measures the same prompts:
            "eval": topics no training prompt of a head or a draft distilled on chat names)
 
 Each (workload, batch) runs speculation off and every method in rotating order, ``--rounds``
-times, after a warm-up of WARMUP_TOKENS tokens each, on the same prompts (at least
-``--min-prompts`` of them, ``batch`` at a time: a batch of 1 is 8 prompts one after the other) (greedy, EOS allowed;
-output tokens counted as produced). Reports the median output tok/s of each, the ratio to off,
+times, after a warm-up of WARMUP_TOKENS tokens each, on the same prompts: at least ``--min-prompts``
+of them, ``batch`` at a time (a batch of 1 is 8 prompts one after the other); greedy, EOS allowed,
+output tokens counted as produced. Reports the median output tok/s of each, the ratio to off,
 the acceptance rate (kept / drafted), the mean accepted length (tokens per verification) and the
 acceptance per draft position. Writes JSON and a PNG under bench/results/.
 """

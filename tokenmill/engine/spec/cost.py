@@ -93,10 +93,6 @@ class Acceptance:
         c = self._per_seq.get(seq_id, self._pooled)
         return _rate(c[0], c[1]), _rate(c[2], c[3])
 
-    def rate(self, seq_id: str) -> float:
-        """The first drafted token's rate."""
-        return self.rates(seq_id)[0]
-
     def observe(self, seq_id: str, num_drafted: int, num_kept: int) -> None:
         if num_drafted <= 0:
             return

@@ -278,18 +278,23 @@ def test_the_native_head_writes_float32_logits_of_the_bfloat16_values(every_type
 
 @needs_fast
 def test_bf16_copies_by_default_only_where_they_are_small(every_type_gguf: Path) -> None:
-    """The default (bf16_copy_rows None): copies for calls of 12 rows or more when they take at most
-    1/16 of the machine's memory; 0 turns them off; a model without grouped layers gets none."""
+    """The default (bf16_copy_rows None): copies when they take at most 1/16 of the machine's
+    memory, for calls of 24 rows or more over 4-bit codes and 12 over wider ones; a number sets
+    every layer's; 0 turns them off; a model without grouped layers gets none."""
     from tokenmill import LLM
-    from tokenmill.quantization.grouped import AUTO_COPY_ROWS, auto_bf16_copy_rows
+    from tokenmill.quantization.grouped import AUTO_COPY_ROWS, AUTO_COPY_ROWS_4BIT, auto_bf16_copies
 
     native = load_gguf_native(source(every_type_gguf)).model
     size = sum(2 * m.out_features * m.in_features for m in native.modules() if isinstance(m, GroupedLinear))
-    assert auto_bf16_copy_rows(native, memory_bytes=16 * size) == AUTO_COPY_ROWS == 12
-    assert auto_bf16_copy_rows(native, memory_bytes=16 * size - 16) == 0
-    assert auto_bf16_copy_rows(load_float_model(source(every_type_gguf), torch.bfloat16).model, 2**40) == 0
+    assert auto_bf16_copies(native, memory_bytes=16 * size)
+    assert not auto_bf16_copies(native, memory_bytes=16 * size - 16)
+    assert not auto_bf16_copies(load_float_model(source(every_type_gguf), torch.bfloat16).model, 2**40)
     default = LLM(str(every_type_gguf), device="cpu").engine.runner.model
-    assert {m.cpu_kernel_spec().bf16_copy_rows for m in default.modules() if isinstance(m, GroupedLinear)} == {12}
+    rows = {(m.bits, m.cpu_kernel_spec().bf16_copy_rows) for m in default.modules() if isinstance(m, GroupedLinear)}
+    assert (AUTO_COPY_ROWS_4BIT, AUTO_COPY_ROWS) == (24, 12)
+    assert {bits for bits, _ in rows} >= {4, 8} and rows == {(b, 24 if b == 4 else 12) for b, _ in rows}
+    fixed = LLM(str(every_type_gguf), device="cpu", bf16_copy_rows=16).engine.runner.model
+    assert {m.cpu_kernel_spec().bf16_copy_rows for m in fixed.modules() if isinstance(m, GroupedLinear)} == {16}
     off = LLM(str(every_type_gguf), device="cpu", bf16_copy_rows=0).engine.runner.model
     assert all(m.cpu_kernel_spec().bf16_copy is None for m in off.modules() if isinstance(m, GroupedLinear))
 

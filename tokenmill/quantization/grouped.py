@@ -205,26 +205,38 @@ class GroupedLinear(QuantizedLinear):
 
 
 AUTO_COPY_ROWS = 12
-"""The default bf16_copy_rows: measured, the bfloat16 GEMM over the copy wins from about 12 rows on
-(SmolLM2 and Gemma 3 decode at 12 and 16 sequences) and the codes at 8 (README, "A second layout")."""
+"""The default bf16_copy_rows of 5-, 7- and 8-bit codes: measured, the bfloat16 GEMM over the copy wins
+from about 12 rows on (SmolLM2 and Gemma 3 decode at 12 and 16 sequences) and the codes at 8 (README,
+"A second layout")."""
+AUTO_COPY_ROWS_4BIT = 24
+"""...and of 4-bit codes: these stream at half a byte a weight and unpack in two instructions, so the
+codes' few-rows schedule stays ahead of the copy (4 times their bytes) up to where the kernel turns to
+its dequantize-once GEMM itself (SmolLM2's Q4_1 layers, decode steps of 12 and 16 rows: 9.8-10.8 and
+12.2-13.3 ms without copies against 11.7-12.6 and 13.6-13.7 with them from 12 rows)."""
 AUTO_COPY_SHARE = 1 / 16
 """...where the copies take at most this share of the machine's memory (small models), else none."""
 
 
-def auto_bf16_copy_rows(model: torch.nn.Module, memory_bytes: int | None = None) -> int:
-    """The default of ``bf16_copy_rows`` for ``model``: AUTO_COPY_ROWS when it has grouped layers
-    whose bfloat16 copies fit AUTO_COPY_SHARE of ``memory_bytes`` (default: this machine's physical
-    memory), else 0."""
+def auto_copy_rows(bits: int) -> int:
+    """The default bf16_copy_rows of a layer with ``bits``-bit codes."""
+    return AUTO_COPY_ROWS_4BIT if bits == 4 else AUTO_COPY_ROWS
+
+
+def auto_bf16_copies(model: torch.nn.Module, memory_bytes: int | None = None) -> bool:
+    """Whether ``model`` gets bfloat16 copies by default: it has grouped layers and their copies fit
+    AUTO_COPY_SHARE of ``memory_bytes`` (default: this machine's physical memory)."""
     size = sum(2 * m.out_features * m.in_features for m in model.modules() if isinstance(m, GroupedLinear))
     if memory_bytes is None:
         try:
             memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):  # not a POSIX host: no copies
-            return 0
-    return AUTO_COPY_ROWS if 0 < size <= memory_bytes * AUTO_COPY_SHARE else 0
+            return False
+    return 0 < size <= memory_bytes * AUTO_COPY_SHARE
 
 
-def keep_bf16_copies(model: torch.nn.Module, rows: int) -> int:
+def keep_bf16_copies(model: torch.nn.Module, rows: int | None = None) -> int:
     """:meth:`GroupedLinear.keep_bf16_copy` on every grouped layer of ``model`` (the tied LM head
-    included): the "second layout for large batches". -> the bytes added in all."""
-    return sum(m.keep_bf16_copy(rows) for m in model.modules() if isinstance(m, GroupedLinear))
+    included): the "second layout for large batches", for calls of ``rows`` rows or more (None: each
+    layer's :func:`auto_copy_rows`). -> the bytes added in all."""
+    return sum(m.keep_bf16_copy(auto_copy_rows(m.bits) if rows is None else rows)
+               for m in model.modules() if isinstance(m, GroupedLinear))

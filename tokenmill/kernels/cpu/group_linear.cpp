@@ -46,10 +46,10 @@
 //            res = fma(mn, sx, res)
 // (explicit fma / dpbf16 intrinsics only, which -ffast-math does not reassociate), so a row's result
 // is bit for bit the same at M = 1 and inside any batch (tests/kernels/test_group_linear.py):
-//   few rows (M < kGemmRows = 10): each thread streams its tiles' codes once per call, each chunk
+//   few rows (M < kGemmRows = 24): each thread streams its tiles' codes once per call, each chunk
 //     unpacked in registers for all the rows of a block (rows x tiles at once: 1-2 x 4, 3-6 x 2,
-//     7-9 x 1, so that there are enough independent vdpbf16ps chains);
-//   many rows: each thread unpacks a strip of 2 tiles to bfloat16 once per call (bf16_linear.cpp's
+//     7-23 rows x 1 tile in blocks of up to 9, so that there are enough independent vdpbf16ps chains);
+//   many rows (where the dequantize-once GEMM below does not apply): each thread unpacks a strip of 2 tiles to bfloat16 once per call (bf16_linear.cpp's
 //     layout, [K / 2][2][32], in L1/L2) and runs a register-blocked loop over it: blocks of up to
 //     12 rows (as even as they come) x 2 tiles, the 24 group accumulators in registers, the results
 //     in L1 between groups, x copied once per call into row-block panels (slabs of 16 k pairs of
@@ -413,15 +413,19 @@ void strip_rows(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, int
     for (int t = 0; t < NT; ++t) store_out(y + (m0 + r) * p.N + (t0 + t) * 16, res[r][t]);
 }
 
-// All rows of x times tiles t0 .. t0 + NT - 1, in blocks of 2 (NT = 4), 6 (NT = 2) or 8 rows.
+// All rows of x times tiles t0 .. t0 + NT - 1, in blocks of at most 2 (NT = 4), 6 (NT = 2) or 9
+// rows, as even as they come (a block's row loops are unrolled whole: 10 rows and more spill its
+// accumulators, 10-12 rows in one block measured 9.7-10.4 ms on the streamed layers above, against
+// 5.3-6.7 in two). Each block reads the tile's codes again, from L1.
 template <int NT, int Bits, typename T, typename S>
 void strip_few_rows(const Problem<S>& p, const Unpack<Bits>& unpack, int64_t t0, T* y) {
-  constexpr int kRows = NT == 4 ? 2 : NT == 2 ? 6 : 8;
-  int64_t m = 0;
-  for (; m + kRows <= p.M; m += kRows) strip_rows<kRows, NT>(p, unpack, t0, m, y);
-  if (m < p.M)
-    with_constant<kRows - 1>(static_cast<int>(p.M - m),
-                             [&](auto rows) { strip_rows<decltype(rows)::value, NT>(p, unpack, t0, m, y); });
+  constexpr int kRows = NT == 4 ? 2 : NT == 2 ? 6 : 9;
+  const int64_t blocks = (p.M + kRows - 1) / kRows, base = p.M / blocks, extra = p.M % blocks;
+  for (int64_t b = 0, m = 0; b < blocks; ++b) {
+    const int rows = static_cast<int>(base + (b < extra));
+    with_constant<kRows>(rows, [&](auto mb) { strip_rows<decltype(mb)::value, NT>(p, unpack, t0, m, y); });
+    m += rows;
+  }
 }
 
 // Tiles at once for M rows: enough chains for few rows, registers for more.
@@ -1198,8 +1202,16 @@ inline void with_bits(int bits, F&& f) {
   else f(std::integral_constant<int, 8>());
 }
 
-// Rows at which the unpack-once schedule takes over (the same sums either way: only speed).
-constexpr int64_t kGemmRows = 10;
+// Rows at which the unpack-once schedule takes over (the same sums either way: only speed), where
+// the dequantize-once GEMM (dequant_rows_limit(), the same 24 by default) does not apply first: float32
+// x, or TOKENMILL_DEQUANT_ROWS set higher. A call of a whole model's layers streams its codes from
+// memory, and the few-rows schedule overlaps that stream with its products where the unpack-once
+// schedule stalls on each strip's codes before its products start: 30 layers of SmolLM2's shapes in
+// 4-bit codes (60 MB, past L3), AMD EPYC, 2 threads, against that schedule from 10 rows: 10 rows
+// 5.3-5.6 ms against 7.6-7.8, 12 rows 6.1-6.7 against 8.0-8.2, 16 rows 7.7-8.0 against 9.8, 20 rows
+// 9.1-9.3 against 11.0-11.3; with the weights hot in cache the two are within noise (0.59-0.72 of the
+// bfloat16 GEMM). TOKENMILL_GEMM_ROWS=n moves the line.
+constexpr int64_t kGemmRows = 24;
 
 // Portable path: the same sums, one product at a time.
 template <typename T, typename S>
@@ -1291,7 +1303,8 @@ void run(const Problem<S>& p, T* y, bool generic, bool tiles_ok) {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (!generic) {
-    if (p.M >= kGemmRows) {
+    static const int64_t gemm_rows = rows_from_env("TOKENMILL_GEMM_ROWS", kGemmRows);
+    if (p.M >= gemm_rows) {
       const RowBlocks rb(p.M);
       const at::Tensor panels = x_panels(p.xh, p.xl, p.M, p.K, rb);
       const auto* xp = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());

@@ -62,7 +62,8 @@ class LoadConfig(Config):
     bf16_copy_rows: int | None = option(
         None, "GGUF weights as stored: also keep each quantized linear dequantized to bfloat16 (+2 bytes a weight) "
         "and multiply calls of at least this many rows by that copy, where the bfloat16 GEMM is faster; 0: no "
-        "copies; default: 24 for 4-bit codes and 12 for wider ones where the copies take at most 1/16 of the machine's memory, else none")
+        "copies; default: 24 for 4-bit codes and 12 for wider ones where the copies take at most 1/16 of the "
+        "machine's memory, else none")
     cache_dir: str | None = option(
         None, "where fetched models and tokenizers are kept (default: $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill)")
 

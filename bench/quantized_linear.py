@@ -25,7 +25,10 @@ scales alone as a Q4_0, Q5_0 or Q8_0 file loads (the folded minimum is 0 and its
 
 Shapes (--shapes layers): SmolLM2-135M's fused qkv (576 -> 1536 rounded), gate_up (576 -> 3072) and
 down (1536 -> 576); Gemma-3-270M-like 640 -> 2048, 2048 -> 640, 1024 -> 640; --shapes heads: the
-two tied LM heads, 576 -> 49152 and 640 -> 262144 (168M weights: past L3 in every layout).
+two tied LM heads, 576 -> 49152 and 640 -> 262144 (168M weights: past L3 in every layout); --shapes
+stack: SmolLM2's 30 decoder layers (qkv 576 -> 960, o, gate_up, down), each layer its own weights, one
+pass over all 120 linears a call, so that the weights stream from memory as in a decode step (its N is
+the stack's weights / 576, so that GFLOP/s counts them all).
 Weights hot (every kernel's weights in cache as far as they fit: the same call repeated), --threads
 threads, each figure the median of repeated timings, the kernels interleaved round by round so
 that machine noise hits all alike.
@@ -52,6 +55,27 @@ RESULTS = Path(__file__).parent / "results"
 SHAPES = [("smollm2 qkv", 576, 1536), ("smollm2 gate_up", 576, 3072), ("smollm2 down", 1536, 576),
           ("gemma 640->2048", 640, 2048), ("gemma 2048->640", 2048, 640), ("gemma 1024->640", 1024, 640)]
 HEADS = [("smollm2 lm_head", 576, 49152), ("gemma lm_head", 640, 262144)]
+STACK_LAYERS = 30
+STACK = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # SmolLM2's qkv, o, gate_up, down: (K, N)
+
+
+def stack(group: int, symmetric: bool, names) -> dict:
+    """One callable of x [M, 576] per kernel: SmolLM2's STACK_LAYERS decoder layers' linears, each
+    layer its own random weights (60 MB of 4-bit codes, 212 MB of bfloat16: past L3), called in
+    layer order as a decode step calls them, so that the weights stream from memory."""
+    layers = [[weights(n, k, group, symmetric, seed=len(STACK) * i + j, names=names)
+               for j, (k, n) in enumerate(STACK)] for i in range(STACK_LAYERS)]
+    xs = {}
+
+    def run(name, x):
+        m = x.shape[0]
+        for layer in layers:
+            for fns, (k, _) in zip(layer, STACK):
+                if (k, m) not in xs:
+                    xs[k, m] = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)).bfloat16()
+                fns[name](x if k == x.shape[1] else xs[k, m])
+
+    return {name: (lambda name: lambda x: run(name, x))(name) for name in layers[0][0]}
 KERNELS = ["bf16", "int4", "group4", "group4vec", "group5", "group7", "group8", "int8", "int8fma"]
 
 
@@ -124,10 +148,11 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=1.5, help="seconds of timing per (shape, rows)")
     parser.add_argument("--kernels", nargs="+", choices=KERNELS[1:], default=KERNELS[1:],
                         help="which kernels to time beside bf16 (default: all)")
-    parser.add_argument("--shapes", choices=["layers", "heads"], default="layers",
+    parser.add_argument("--shapes", choices=["layers", "heads", "stack"], default="layers",
                         help="layers: the decoder layers' linears (hot in cache); heads: the tied LM heads "
                              "(Q8_0 in both shipped files: use --kernels group8 --mins symmetric), 28M and "
-                             "168M weights, the Gemma one streamed from DRAM at every call")
+                             "168M weights, the Gemma one streamed from DRAM at every call; stack: SmolLM2's "
+                             "30 layers' linears, distinct weights, one pass over all per call (streamed)")
     parser.add_argument("--out", type=Path, default=RESULTS / "quantized_linear.json")
     args = parser.parse_args()
     kernels = ["bf16", *args.kernels]
@@ -145,13 +170,17 @@ def main() -> None:
     dequant = ops.dequant_rows()
     dequant_text = (f"from {dequant} rows the bfloat16 GEMM over weights dequantized once per call" if dequant
                     else "no dequantized rows")
-    print(f"{args.threads} threads, group {args.group_size}, {args.mins} mins, weights hot, median per call; {tiles}; "
+    where = "weights streamed (30 layers a call)" if args.shapes == "stack" else "weights hot"
+    print(f"{args.threads} threads, group {args.group_size}, {args.mins} mins, {where}, median per call; {tiles}; "
           f"{fixed_text}; {dequant_text}")
     print(header)
     print("-" * len(header))
     start = time.perf_counter()
-    for i, (name, k, n) in enumerate(SHAPES if args.shapes == "layers" else HEADS):
-        fns = weights(n, k, args.group_size, args.mins == "symmetric", seed=i, names=kernels)
+    shapes = {"layers": SHAPES, "heads": HEADS,
+              "stack": [(f"smollm2 x{STACK_LAYERS}", 576, sum(n * k for k, n in STACK) * STACK_LAYERS // 576)]}
+    for i, (name, k, n) in enumerate(shapes[args.shapes]):
+        fns = stack(args.group_size, args.mins == "symmetric", kernels) if args.shapes == "stack" else \
+            weights(n, k, args.group_size, args.mins == "symmetric", seed=i, names=kernels)
         for m in args.rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
             t, ratio = measure(fns, x, args.budget)

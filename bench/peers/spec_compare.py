@@ -141,7 +141,8 @@ def main() -> None:
               *(f"tokenmill/llama.cpp {m}" for m in specs)]
     table = markdown_table(header, rows)
     print(f"\noutput tok/s, {args.output_len} tokens per request (EOS ignored), greedy, chat\n\n{table}")
-    write_json({"kind": "spec_peers", "args": vars(args), "results": results}, stem.with_suffix(".json"))
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}  # --draft-model: a Path
+    write_json({"kind": "spec_peers", "args": settings, "results": results}, stem.with_suffix(".json"))
     stem.with_suffix(".md").write_text(table + "\n")
     print(f"wrote {stem.with_suffix('.json')}")
 

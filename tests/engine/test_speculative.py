@@ -30,6 +30,19 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match():
     assert p.lookup([4, 4, 4, 4], 5) == [4]  # the match may overlap the suffix; at most what follows it
 
 
+def test_ngram_prefers_the_occurrence_that_shares_the_longer_context():
+    """A recurring n-gram: the occurrence whose preceding tokens match the sequence's further back
+    is the one being copied, even when a later one exists; among equals, the latest."""
+    p = NgramProposer()  # n-grams of 2-4 tokens
+    #      0  1  2  3  4  5   6  7  8  9 10 11 12  13 14 15 16 17 18 19
+    ids = [9, 8, 1, 2, 3, 4, 20, 7, 6, 1, 2, 3, 4, 21, 9, 8, 1, 2, 3, 4]
+    assert p.lookup(ids, 2) == [20, 7]  # "9 8" before "1 2 3 4" at 2 as before the suffix: not 21 (at 9)
+    ids[14] = 5  # now "8 1 2 3 4" at 2 and "6 1 2 3 4" at 9: 2 still shares one more token
+    assert p.lookup(ids, 1) == [20]
+    ids[15] = 0  # neither shares a token beyond the 4-gram: the latest
+    assert p.lookup(ids, 1) == [21]
+
+
 def test_ngram_checks_its_range():
     with pytest.raises(InvalidParameterError, match="min_n <= max_n"):
         NgramProposer(3, 2)

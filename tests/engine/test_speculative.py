@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from tests.engine.test_batch_invariance import compare
@@ -41,6 +42,11 @@ def test_ngram_prefers_the_occurrence_that_shares_the_longer_context():
     assert p.lookup(ids, 1) == [20]
     ids[15] = 0  # neither shares a token beyond the 4-gram: the latest
     assert p.lookup(ids, 1) == [21]
+    # the same rule in a tenant's earlier outputs (lookup_in)
+    bigrams = NgramProposer(min_n=2, max_n=2)
+    text = np.array([5, 6, 1, 2, 30, 7, 1, 2, 40])
+    assert bigrams.lookup_in([text], [9, 6, 1, 2], 2) == [30, 7]  # "6" before "1 2" at 2, "7" at 6
+    assert bigrams.lookup_in([text], [8, 8, 1, 2], 2) == [40]  # no context shared: the latest
 
 
 def test_ngram_checks_its_range():

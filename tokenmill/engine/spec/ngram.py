@@ -85,16 +85,17 @@ class NgramProposer:
         newest text first: up to k tokens."""
         if k <= 0 or len(token_ids) < self.min_n:
             return []
-        tail = np.asarray(token_ids[-self.max_n:], dtype=np.int64)
+        tail = np.asarray(token_ids[-(self.max_n + CONTEXT_MAX):], dtype=np.int64)
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
             for text in reversed(texts):
-                start = _latest_occurrence(text, tail[len(tail) - n:])
-                if start is not None and start + n < len(text):
+                start = _best_occurrence(text, tail[len(tail) - n:], tail[:len(tail) - n], len(text) - n)
+                if start is not None:
                     return text[start + n:start + n + k].tolist()
         return []
 
     def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """What followed the latest earlier occurrence of the longest matching n-gram: up to k tokens."""
+        """What followed the longest matching n-gram's earlier occurrence that shares the most context
+        (the latest among equals): up to k tokens."""
         total = len(token_ids)
         if k <= 0 or total <= self.min_n:
             return []
@@ -108,38 +109,30 @@ class NgramProposer:
 
 
 def _latest_match(ids: np.ndarray, n: int) -> int | None:
-    """Start of the occurrence of ``ids[-n:]`` that ends before the last token and whose preceding
-    tokens match those before the suffix furthest back (at most CONTEXT_MAX; the latest among
-    equals), or None."""
+    """Start of the best earlier occurrence of ``ids[-n:]`` (one that ends before the last token), or None."""
     total = len(ids)
-    pattern = ids[total - n:]
-    # candidate starts s in [0, total - n - 1]: the window ids[s:s + n] ends before the suffix itself
-    hits = np.flatnonzero(ids[:total - n] == pattern[0])
-    for j in range(1, n):
-        if hits.size == 0:
-            return None
-        hits = hits[ids[hits + j] == pattern[j]]
-    if hits.size == 0:
-        return None
-    for back in range(1, min(CONTEXT_MAX, total - n) + 1):  # keep the hits whose context still matches
-        if hits.size == 1:
-            break
-        ok = hits[hits >= back]
-        ok = ok[ids[ok - back] == ids[total - n - back]]
-        if ok.size == 0:
-            break
-        hits = ok
-    return int(hits[-1])
+    return _best_occurrence(ids, ids[total - n:], ids[:total - n], total - n)
 
 
-def _latest_occurrence(text: np.ndarray, pattern: np.ndarray) -> int | None:
-    """Start of the latest occurrence of ``pattern`` in ``text`` that has a token after it, or None."""
+def _best_occurrence(text: np.ndarray, pattern: np.ndarray, context: np.ndarray, limit: int) -> int | None:
+    """Start s < ``limit`` of an occurrence of ``pattern`` in ``text`` whose preceding tokens match the
+    end of ``context`` furthest back (at most CONTEXT_MAX; the latest among equals), or None."""
     n = len(pattern)
-    if len(text) <= n:
+    if limit <= 0:
         return None
-    hits = np.flatnonzero(text[:len(text) - n] == pattern[0])
+    hits = np.flatnonzero(text[:limit] == pattern[0])
     for j in range(1, n):
         if hits.size == 0:
             return None
         hits = hits[text[hits + j] == pattern[j]]
-    return int(hits[-1]) if hits.size else None
+    if hits.size == 0:
+        return None
+    for back in range(1, min(CONTEXT_MAX, len(context)) + 1):  # keep the hits whose context still matches
+        if hits.size == 1:
+            break
+        ok = hits[hits >= back]
+        ok = ok[text[ok - back] == context[len(context) - back]]
+        if ok.size == 0:
+            break
+        hits = ok
+    return int(hits[-1])

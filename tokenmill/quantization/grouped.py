@@ -211,8 +211,9 @@ from about 12 rows on (SmolLM2 and Gemma 3 decode at 12 and 16 sequences) and th
 AUTO_COPY_ROWS_4BIT = 24
 """...and of 4-bit codes: these stream at half a byte a weight and unpack in two instructions, so the
 codes' few-rows schedule stays ahead of the copy (4 times their bytes) up to where the kernel turns to
-its dequantize-once GEMM itself (SmolLM2's Q4_1 layers, decode steps of 12 and 16 rows: 9.8-10.8 and
-12.2-13.3 ms without copies against 11.7-12.6 and 13.6-13.7 with them from 12 rows)."""
+its dequantize-once GEMM itself (SmolLM2 as stored, decode steps of 12, 16 and 20 rows over
+128-token prompts, ``python bench/decode_steps.py`` and ``--bf16-copy-rows 12`` alternated: 11.9-12.2,
+14.8-14.9 and 16.9-17.7 ms with these defaults against 13.6-13.8, 16.4-16.8 and 18.1-18.5)."""
 AUTO_COPY_SHARE = 1 / 16
 """...where the copies take at most this share of the machine's memory (small models), else none."""
 

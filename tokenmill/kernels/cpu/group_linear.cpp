@@ -49,8 +49,9 @@
 //   few rows (M < kGemmRows = 24): each thread streams its tiles' codes once per call, each chunk
 //     unpacked in registers for all the rows of a block (rows x tiles at once: 1-2 x 4, 3-6 x 2,
 //     7-23 rows x 1 tile in blocks of up to 9, so that there are enough independent vdpbf16ps chains);
-//   many rows (where the dequantize-once GEMM below does not apply): each thread unpacks a strip of 2 tiles to bfloat16 once per call (bf16_linear.cpp's
-//     layout, [K / 2][2][32], in L1/L2) and runs a register-blocked loop over it: blocks of up to
+//   many rows (where the dequantize-once GEMM below does not apply): each thread unpacks a strip of
+//     2 tiles to bfloat16 once per call (bf16_linear.cpp's layout, [K / 2][2][32], in L1/L2) and
+//     runs a register-blocked loop over it: blocks of up to
 //     12 rows (as even as they come) x 2 tiles, the 24 group accumulators in registers, the results
 //     in L1 between groups, x copied once per call into row-block panels (slabs of 16 k pairs of
 //     the block's rows side by side, so that every broadcast is one pointer plus a constant). A

@@ -9,8 +9,8 @@ purpose: a size never tried looks as cheap as the largest tried, so it is tried 
 
 :class:`Acceptance` estimates, per sequence, the probability that a draft position is kept, from
 its verifications, in two rates: the first drafted token's, and the next ones' once the token
-before was kept (positions after the first refused one were never tested). A draft's position j is
-then worth ``first * next**j`` expected tokens. One rate for every position undervalues long drafts
+before was kept (positions after the first refused one were never tested). A draft's position j
+(0-based) is then worth ``first * next**j`` expected tokens. One rate for every position undervalues long drafts
 where outcomes come all or nothing: a prompt lookup is either in a copied run (every token kept) or
 wrong from its first token, so SmolLM2's copy answers keep the first token 84% of the time and
 each next one, given the last, 94-96%; at one rate (0.7 or so) a fourth token looked worth 0.24

@@ -8,9 +8,10 @@ latest among equals). A short n-gram recurs ("the king", "def "), and the occurr
 the longer context is the one being copied: on eight answers per workload replayed through the
 lookup (greedy, 4 tokens a draft), kept drafts rose from 89% to 100% of Gemma 3's code edits and
 from 76% to 84% of SmolLM2's continuations (tokens per step 4.21 -> 4.59 and 2.90 -> 3.06), and
-no workload lost. Input-grounded
-work (summaries, edits, code changes, extraction) copies long runs of its prompt, so those guesses
-are often right; open-ended text rarely repeats and gets no draft. When the sequence itself has no
+no workload lost.
+
+Input-grounded work (summaries, edits, code changes, extraction) copies long runs of its prompt, so
+those guesses are often right; open-ended text rarely repeats and gets no draft. When the sequence itself has no
 match, the last ``RECENT_PER_TENANT`` finished sequences of the same tenant (the same prefix-cache
 salt: one tenant's text never drafts for another) are searched the same way: agents and editing
 loops send the same text again and again. The search is vectorized (numpy over the token array)
@@ -101,17 +102,12 @@ class NgramProposer:
             return []
         ids = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            start = _latest_match(ids, n)
+            # an occurrence ending before the last token: starts below total - n
+            start = _best_occurrence(ids, ids[total - n:], ids[:total - n], total - n)
             if start is not None:
                 follow = ids[start + n:start + n + k]
                 return follow.tolist()
         return []
-
-
-def _latest_match(ids: np.ndarray, n: int) -> int | None:
-    """Start of the best earlier occurrence of ``ids[-n:]`` (one that ends before the last token), or None."""
-    total = len(ids)
-    return _best_occurrence(ids, ids[total - n:], ids[:total - n], total - n)
 
 
 def _best_occurrence(text: np.ndarray, pattern: np.ndarray, context: np.ndarray, limit: int) -> int | None:

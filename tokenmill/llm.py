@@ -8,7 +8,6 @@ deltas of one prompt as they come.
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, Iterator, Sequence
 
 from tqdm import tqdm
@@ -25,10 +24,9 @@ from tokenmill.engine import (
 from tokenmill.errors import InvalidParameterError
 from tokenmill.loader import load_draft, load_model
 from tokenmill.options import option_fields, options_doc, split_options
-from tokenmill.quantization.grouped import AUTO_COPY_ROWS, AUTO_COPY_ROWS_4BIT, auto_bf16_copies, keep_bf16_copies
+from tokenmill.quantization.grouped import apply_copies
 from tokenmill.sampling_params import SamplingParams
 
-logger = logging.getLogger("tokenmill.loading")
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -54,12 +52,7 @@ class LLM:
         load_config = LoadConfig(**load)
         engine_config = EngineConfig.from_parts(*engine_parts)
         loaded = load_model(load_config.model, load_config.dtype, load_config.device, load_config.cache_dir)
-        rows = load_config.bf16_copy_rows
-        if rows or (rows is None and auto_bf16_copies(loaded.model)):
-            added = keep_bf16_copies(loaded.model, rows)
-            if added:
-                logger.info("bfloat16 copies of the quantized linears for calls of %s rows or more: %.1f MiB",
-                            rows or f"{AUTO_COPY_ROWS_4BIT} (4-bit codes) or {AUTO_COPY_ROWS}", added / 2**20)
+        apply_copies(loaded.model, load_config.bf16_copy_rows, load_config.int8_copies)
         self.model_name = loaded.source.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -233,6 +233,37 @@ def test_a_bf16_copy_takes_the_bf16_calls_of_its_rows(qtype: Q) -> None:
         layer.keep_bf16_copy(0)
 
 
+@pytest.mark.skipif(not OPS.int8_copy_linear_fast(), reason="the int8 copy needs AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_an_int8_copy_takes_the_bf16_calls_below_the_bf16_copys_rows(qtype: Q) -> None:
+    """keep_int8_copy(): bfloat16 calls of fewer rows than the bfloat16 copy's run int8_copy_linear over
+    the codes' int8 copy (symmetric where the type is), as close to the exact products as bfloat16's
+    output rounding; the bfloat16 copy keeps its rows, float32 calls keep the codes; the decode stack's
+    Linear dispatches the same way."""
+    from tokenmill.kernels import dispatch
+    from tokenmill.quantization.grouped import int8_copy_pack
+
+    rng = np.random.default_rng(int(qtype))
+    weight = gguf_groups(torch.from_numpy(random_blocks(qtype, (40, 256), rng, False)), qtype, (40, 256))
+    plain, copied, layer = (GroupedLinear.from_gguf(weight) for _ in range(3))
+    assert 40 * 256 <= layer.keep_int8_copy() <= 48 * 256 * 1.25
+    copied.keep_bf16_copy(8), layer.keep_bf16_copy(8)
+    copy, offset = int8_copy_pack(weight)
+    assert offset == {Q.Q4_1: -1, Q.Q5_0: 16, Q.Q6_K: 32, Q.Q8_0: 128}[qtype]
+    g = torch.Generator().manual_seed(2)
+    x8, x7 = torch.randn(8, 256, generator=g).bfloat16(), torch.randn(7, 256, generator=g).bfloat16()
+    expected = OPS.int8_copy_linear(x7, copy, 40, weight.group_size, offset, torch.empty(0))
+    assert torch.equal(layer(x7), expected) and not torch.equal(layer(x7), plain(x7))
+    exact = x7.double() @ weight.dequantize().double().T
+    assert (layer(x7).double() - exact).abs().max() <= 2**-8 * exact.abs().max()
+    assert torch.equal(layer(x8), copied(x8)) and torch.equal(layer(x7.float()), plain(x7.float()))
+    assert torch.equal(layer.matmul_float32(x7), expected.float())
+    spec = layer.cpu_kernel_spec()
+    assert spec.int8_copy is not None and spec.int8_copy_offset == offset and plain.cpu_kernel_spec().int8_copy is None
+    native = spec.native(dispatch.cpu_ops())
+    assert torch.equal(native(x7), layer(x7)) and torch.equal(native(x8), layer(x8))
+
+
 def test_bf16_copy_rows_must_be_a_whole_number() -> None:
     from tokenmill.config import LoadConfig
     from tokenmill.errors import InvalidParameterError
@@ -279,8 +310,9 @@ def test_the_native_head_writes_float32_logits_of_the_bfloat16_values(every_type
 @needs_fast
 def test_bf16_copies_by_default_only_where_they_are_small(every_type_gguf: Path) -> None:
     """The default (bf16_copy_rows None): copies when they take at most 1/16 of the machine's
-    memory, for calls of 24 rows or more over 4-bit codes and 12 over wider ones; a number sets
-    every layer's; 0 turns them off; a model without grouped layers gets none."""
+    memory, for calls of 24 rows or more over 4-bit codes and 12 over wider ones, and int8 copies of
+    the 8-bit layers for the other bfloat16 calls; a number sets every layer's; 0 and
+    int8_copies=False turn them off; a model without grouped layers gets none."""
     from tokenmill import LLM
     from tokenmill.quantization.grouped import AUTO_COPY_ROWS, AUTO_COPY_ROWS_4BIT, auto_bf16_copies
 
@@ -295,8 +327,13 @@ def test_bf16_copies_by_default_only_where_they_are_small(every_type_gguf: Path)
     assert {bits for bits, _ in rows} >= {4, 8} and rows == {(b, 24 if b == 4 else 12) for b, _ in rows}
     fixed = LLM(str(every_type_gguf), device="cpu", bf16_copy_rows=16).engine.runner.model
     assert {m.cpu_kernel_spec().bf16_copy_rows for m in fixed.modules() if isinstance(m, GroupedLinear)} == {16}
-    off = LLM(str(every_type_gguf), device="cpu", bf16_copy_rows=0).engine.runner.model
-    assert all(m.cpu_kernel_spec().bf16_copy is None for m in off.modules() if isinstance(m, GroupedLinear))
+    off = LLM(str(every_type_gguf), device="cpu", bf16_copy_rows=0, int8_copies=False).engine.runner.model
+    assert all(m.cpu_kernel_spec().bf16_copy is None and m.cpu_kernel_spec().int8_copy is None
+               for m in off.modules() if isinstance(m, GroupedLinear))
+    # int8 copies: the 8-bit layers' (the tied head's among them), on hosts with AVX-512 VNNI
+    int8 = {m.bits for m in default.modules() if isinstance(m, GroupedLinear) and m.cpu_kernel_spec().int8_copy is not None}
+    assert int8 == ({8} if OPS.int8_copy_linear_fast() else set())
+    assert default.lm_head.cpu_kernel_spec().int8_copy is not None or not OPS.int8_copy_linear_fast()
 
 
 def test_tiny_gguf_of_every_type_matches_its_dequantized_model(every_type_gguf: Path) -> None:

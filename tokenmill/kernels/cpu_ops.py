@@ -32,8 +32,8 @@ MODULE_NAME = "tokenmill_cpu_kernels"
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 """This checkout's kernel sources (an absolute path: part of the build directory's key)."""
 SOURCE_NAMES = ("paged_attention.cpp", "prefill_attention.cpp", "int8_linear.cpp", "int4_linear.cpp",
-                "group_linear.cpp", "bf16_linear.cpp", "sparse_linear.cpp", "kv_write.cpp", "lora.cpp",
-                "decoder.cpp", "argmax.cpp", "int4_search.cpp", "gptq.cpp", "bindings.cpp")
+                "group_linear.cpp", "int8_copy_linear.cpp", "bf16_linear.cpp", "sparse_linear.cpp", "kv_write.cpp",
+                "lora.cpp", "decoder.cpp", "argmax.cpp", "int4_search.cpp", "gptq.cpp", "bindings.cpp")
 HEADER_NAMES = ("kernels.h", "simd.h", "amx.h")
 SOURCES = [SOURCE_DIR / name for name in SOURCE_NAMES]
 HEADERS = [SOURCE_DIR / name for name in HEADER_NAMES]

@@ -68,6 +68,12 @@ class CpuLinearSpec:
     """GROUPED: the weight dequantized to bfloat16 and ``bf16_pack``'ed, which bfloat16 calls of at
     least ``bf16_copy_rows`` rows multiply by instead of the codes; else None."""
     bf16_copy_rows: int = 0
+    int8_copy: torch.Tensor | None = None
+    """GROUPED: the weight's int8 copy (uint8, ``grouped.int8_copy_pack``), which bfloat16 calls of fewer
+    rows than ``bf16_copy_rows`` (all, without a bfloat16 copy) multiply by, x in two int8 parts per
+    group (``int8_copy_linear``); else None."""
+    int8_copy_offset: int = -1
+    """The int8 copy's symmetric code offset (``grouped.symmetric_offset``), -1 where it holds mins."""
 
     def __post_init__(self) -> None:
         if self.kind in (LinearKind.INT8, LinearKind.INT4, LinearKind.GROUPED,
@@ -84,10 +90,13 @@ class CpuLinearSpec:
         if (self.bf16_copy is not None) != (self.bf16_copy_rows > 0) or (
                 self.bf16_copy is not None and self.kind is not LinearKind.GROUPED):
             raise ValueError("a bfloat16 copy goes with a GROUPED weight and bf16_copy_rows >= 1")
+        if self.int8_copy is not None and self.kind is not LinearKind.GROUPED:
+            raise ValueError("an int8 copy goes with a GROUPED weight")
 
     def native(self, ops: ModuleType):
         """This spec as the compiled module ``ops``' ``Linear``, for ``DecodeStack.add_layer``."""
         return ops.Linear(kind=ops.LinearKind[self.kind.name], weight=self.weight, out_features=self.out_features,
                           in_features=self.in_features, scales=self.scales, bias=self.bias,
                           group_size=self.group_size, bits=self.bits, offsets=self.offsets,
-                          bf16_copy=self.bf16_copy, bf16_copy_rows=self.bf16_copy_rows)
+                          bf16_copy=self.bf16_copy, bf16_copy_rows=self.bf16_copy_rows, int8_copy=self.int8_copy,
+                          int8_copy_offset=self.int8_copy_offset)

@@ -25,10 +25,16 @@ the kernel reads a copy of the scales alone (``kernels.scales_alone``), 2 or 4 b
 applied in float32 as stored. Where the compiled kernels are not available (not on CPU, or turned
 off) it falls back to a dequantized weight in the activations' dtype, built per call: a reference
 path, slow and memory-hungry, that tokenmill's loader never chooses (it dequantizes at load then).
+
+Two optional layouts beside the codes (:func:`apply_copies`): the weight dequantized to bfloat16, which
+bfloat16 calls of many rows take (:meth:`GroupedLinear.keep_bf16_copy`), and for 8-bit codes the int8
+copy (:func:`int8_copy_pack`, ``kernels/cpu/int8_copy_linear.cpp``), which the other bfloat16 calls take
+(:meth:`GroupedLinear.keep_int8_copy`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -40,6 +46,7 @@ from tokenmill.loading.gguf_groups import GroupedWeight
 from tokenmill.quantization import kernels
 from tokenmill.quantization.linear import QuantizedLinear
 
+logger = logging.getLogger("tokenmill.loading")
 _NO_BIAS = torch.empty(0)
 ROW_TILE = 16
 """Output channels per tile of the kernel's layout: the rows are padded to a multiple of it."""
@@ -63,6 +70,42 @@ def pack_grouped(weight: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     if pad:
         fields = tuple(F.pad(t, (0, 0, 0, pad)) for t in fields)
     return kernels.group_cpu_pack(*fields, weight.bits)
+
+
+def symmetric_offset(weight: GroupedWeight) -> int:
+    """The code offset o where every min is -o * scale exactly (GGUF's symmetric types: Q4_0 8, Q5_0 16,
+    Q6_K 32, Q8_0 128), else -1."""
+    scale, min_ = weight.scale.float(), weight.min.float()
+    live = scale != 0
+    if not bool(live.any()):
+        return -1 if bool((min_ != 0).any()) else 0
+    o = torch.round(-min_[live] / scale[live])
+    first = int(o[0])
+    if not 0 <= first <= 255 or not bool((o == first).all()) or not torch.equal(min_, -first * scale):
+        return -1
+    return first
+
+
+def int8_copy_pack(weight: GroupedWeight) -> tuple[torch.Tensor, int]:
+    """A grouped weight [N, K] -> (copy, offset) for ``int8_copy_linear`` (kernels/cpu/int8_copy_linear.cpp):
+    uint8 [ceil(N / 16), K / gs, 16 gs + 64 or 128], per tile of 16 rows and group of gs columns the
+    codes with 4 consecutive columns of a row per 32-bit lane, then the 16 scales (float32), then the
+    16 mins unless the weight is symmetric (``offset`` = :func:`symmetric_offset` >= 0; else -1)."""
+    n, k = weight.shape
+    gs, groups = weight.group_size, k // weight.group_size
+    if gs % 4:
+        raise ValueError(f"int8_copy_pack: group_size must be a multiple of 4, got {gs}")
+    offset = symmetric_offset(weight)
+    tiles, pad = -(-n // ROW_TILE), -n % ROW_TILE
+    fields = (weight.codes, weight.scale.float(), weight.min.float())
+    if pad:
+        fields = tuple(F.pad(t, (0, 0, 0, pad)) for t in fields)
+    codes, scale, min_ = fields
+    parts = [codes.view(tiles, ROW_TILE, groups, gs // 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)]
+    for t in (scale,) if offset >= 0 else (scale, min_):
+        parts.append(t.view(tiles, ROW_TILE, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
+                     .reshape(tiles, groups, 4 * ROW_TILE))
+    return kernels.aligned(torch.cat(parts, dim=2)), offset
 
 
 def unpack_grouped(packed: torch.Tensor, sz: torch.Tensor, out_features: int, bits: int) -> GroupedWeight:
@@ -110,6 +153,7 @@ class GroupedLinear(QuantizedLinear):
         self._prepared = False
         self._kernel_sz = sz
         self._bf16_copy: tuple[torch.Tensor, int] | None = None  # (bf16_pack'ed weight, from rows)
+        self._int8_copy: tuple[torch.Tensor, int] | None = None  # (int8_copy_pack'ed weight, its offset)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, group_size: int, bits: int,
@@ -142,7 +186,7 @@ class GroupedLinear(QuantizedLinear):
         self._ops = dispatch.cpu_ops() if self.packed.device.type == "cpu" else None
         # a symmetric type's kernel reads its scales alone (the saved sz keeps the (scale, min) layout)
         self._kernel_sz = kernels.aligned(kernels.scales_alone(self.sz, self.bits)) if self._ops else self.sz
-        self._bf16_copy = None  # a copy of the buffers as they were: keep_bf16_copy makes a new one
+        self._bf16_copy = self._int8_copy = None  # copies of the buffers as they were: keep_* make new ones
         self._prepared = True
         return self
 
@@ -157,6 +201,19 @@ class GroupedLinear(QuantizedLinear):
             return 0
         packed = kernels.aligned(self._ops.bf16_pack(self.dequantize().to(torch.bfloat16)))
         self._bf16_copy = (packed, rows)
+        return packed.numel() * packed.element_size()
+
+    def keep_int8_copy(self) -> int:
+        """Also hold the int8 copy (:func:`int8_copy_pack`: the codes one byte each, 4 consecutive
+        columns a 32-bit lane, float32 scales), for bfloat16 calls of fewer rows than the bfloat16
+        copy's (every bfloat16 call without one): ``int8_copy_linear`` multiplies it by x in two
+        int8 parts per row and group (about 16 bits of x beside its group's largest value, closer to
+        x than bfloat16 is) on AVX-512 VNNI, twice vdpbf16ps's multiply-adds an instruction with
+        nothing to unpack. -> the bytes it adds (0 where that kernel cannot run here: nothing kept)."""
+        if self._ops is None or not int8_copy_runs(self, self._ops):
+            return 0
+        packed, offset = int8_copy_pack(self.grouped_weight())
+        self._int8_copy = (packed, offset)
         return packed.numel() * packed.element_size()
 
     def _copy_for(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -176,6 +233,10 @@ class GroupedLinear(QuantizedLinear):
         if self._ops is None:  # no kernel here: the reference path
             return F.linear(x, self.dequantize().to(device=x.device, dtype=x.dtype))
         copy = self._copy_for(x)
+        if copy is None and self._int8_copy is not None and x.dtype == torch.bfloat16:
+            packed, offset = self._int8_copy
+            return self._ops.int8_copy_linear(x.contiguous(), packed, self.out_features, self.group_size, offset,
+                                              _NO_BIAS, out_float32=out_float32)
         if copy is not None:
             return self._ops.bf16_packed_linear(x.contiguous(), copy, self.out_features, _NO_BIAS,
                                                 out_float32=out_float32)
@@ -193,9 +254,11 @@ class GroupedLinear(QuantizedLinear):
         if self._ops is None:
             return None
         copy, rows = self._bf16_copy or (None, 0)
+        int8_copy, offset = self._int8_copy or (None, -1)
         return CpuLinearSpec(kind=LinearKind.GROUPED, weight=self.packed, out_features=self.out_features,
                              in_features=self.in_features, scales=self._kernel_sz, bias=self.bias,
-                             group_size=self.group_size, bits=self.bits, bf16_copy=copy, bf16_copy_rows=rows)
+                             group_size=self.group_size, bits=self.bits, bf16_copy=copy, bf16_copy_rows=rows,
+                             int8_copy=int8_copy, int8_copy_offset=offset)
 
     def dequantize(self) -> torch.Tensor:
         return self.grouped_weight().dequantize()
@@ -241,3 +304,46 @@ def keep_bf16_copies(model: torch.nn.Module, rows: int | None = None) -> int:
     layer's :func:`auto_copy_rows`). -> the bytes added in all."""
     return sum(m.keep_bf16_copy(auto_copy_rows(m.bits) if rows is None else rows)
                for m in model.modules() if isinstance(m, GroupedLinear))
+
+
+INT8_COPY_BITS = (8,)
+"""Codes that get an int8 copy by default: 8-bit ones (Q8_0, the shipped models' LM heads). Their codes
+stream at the copy's bytes (1 + 1 / 16 a weight) but widen in several instructions each; the copy's
+products need none (Gemma 3's 262k-row Q8_0 head, ``bench/quantized_linear.py``-style timing, one
+call: 1 / 4 / 8 rows 2.5 / 3.3 / 5.8 ms against 4.3 / 4.8 / 7.5 on the codes). Narrower codes stream
+fewer bytes than their copy would and keep them (Gemma's 5-bit down projection, hot: 4 rows 0.025 ms
+on the copy against 0.033 ms on the codes but 8 rows 0.053 against 0.037)."""
+INT8_COPY_GROUPS = (16, 32)
+"""Group sizes the int8 copy's vector kernel runs (every GGUF type's)."""
+
+
+def int8_copy_runs(layer: GroupedLinear, ops) -> bool:
+    """Whether ``layer``'s int8 copy would run on the vector kernel here (AVX-512 VNNI, its group size)."""
+    return bool(ops.int8_copy_linear_fast()) and layer.group_size in INT8_COPY_GROUPS
+
+
+def keep_int8_copies(model: torch.nn.Module, bits: tuple[int, ...] = INT8_COPY_BITS) -> int:
+    """:meth:`GroupedLinear.keep_int8_copy` on every grouped layer of ``model`` with codes of one of
+    ``bits`` (the tied LM head included). -> the bytes added in all."""
+    return sum(m.keep_int8_copy() for m in model.modules() if isinstance(m, GroupedLinear) and m.bits in bits)
+
+
+def apply_copies(model: torch.nn.Module, bf16_copy_rows: int | None = None, int8_copies: bool = True) -> int:
+    """What ``LoadConfig.bf16_copy_rows`` and ``int8_copies`` ask of a loaded ``model``; where copies
+    are on by default (``bf16_copy_rows`` None, ``int8_copies``), only where :func:`auto_bf16_copies`
+    finds them small. Logs what it kept. -> the bytes added."""
+    added = 0
+    rows = bf16_copy_rows
+    small = auto_bf16_copies(model) if rows is None or int8_copies else False
+    if rows or (rows is None and small):
+        added = keep_bf16_copies(model, rows)
+        if added:
+            logger.info("bfloat16 copies of the quantized linears for calls of %s rows or more: %.1f MiB",
+                        rows or f"{AUTO_COPY_ROWS_4BIT} (4-bit codes) or {AUTO_COPY_ROWS}", added / 2**20)
+    if int8_copies and small:
+        int8 = keep_int8_copies(model)
+        if int8:
+            logger.info("int8 copies of the 8-bit quantized linears for bfloat16 calls below those rows: %.1f MiB",
+                        int8 / 2**20)
+        added += int8
+    return added

@@ -61,6 +61,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weight-only linear over grouped codes (w = code * scale + min, bits 4, 5, 7 or 8), any number of rows (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("sz"), py::arg("group_size"), py::arg("bits"), py::kw_only(),
         py::arg("out_float32") = false, path);
+  m.def("int8_copy_linear_fast", &int8_copy_linear_fast,
+        "whether int8_copy_linear has its AVX-512 VNNI path (else it runs plain loops)");
+  m.def("int8_copy_linear", &int8_copy_linear,
+        "grouped codes' int8 copy (int8_copy_pack) times x quantized to int8 per row and group of group_size, "
+        "any number of rows (CPU)",
+        py::arg("x"), py::arg("copy"), py::arg("out_features"), py::arg("group_size"), py::arg("offset"),
+        py::arg("bias"),
+        py::kw_only(), py::arg("out_float32") = false, path);
   m.def("bf16_linear_fast", &bf16_linear_fast, "whether bf16_packed_linear can run here (AVX-512 BF16)");
   m.def("bf16_pack", &bf16_pack, "pack a bfloat16 [N, K] weight for bf16_packed_linear", py::arg("weight"));
   m.def("bf16_packed_linear", &bf16_packed_linear, "bfloat16 linear over a packed weight, any number of rows (CPU)",

@@ -1,0 +1,340 @@
+// Grouped codes on 8-bit integer products (AVX-512 VNNI vpdpbusd): the "int8 copy" of a grouped
+// weight (w[n, k] = code[n, k] * scale[n, g] + min[n, g], GGUF's types, group_linear.cpp), which
+// bfloat16 calls multiply by instead of the packed codes. vpdpbusd does 64 multiply-adds a zmm where
+// vdpbf16ps does 32 (measured on the AMD host, one core: 3.4-3.5 G instructions a second each), and
+// the copy is one byte a weight plus 4 or 8 bytes per 16 weights of a group, against 2 bytes a
+// weight for the bfloat16 copy.
+//
+// The copy (tokenmill.quantization.grouped.int8_copy_pack), uint8 [T, G, B], T = ceil(N / 16) tiles
+// of 16 output channels, G = K / gs groups, B = 16 gs + 64 (symmetric) or + 128 bytes per (tile, group):
+//   bytes [64 c, 64 c + 64), c < gs / 4: lane r (4 bytes) = code[16 t + r, g gs + 4 c .. + 3], one
+//     vpdpbusd operand, "16 outputs x 4 consecutive k";
+//   then float32 scale[16 t .. + 15, g], and unless symmetric float32 min[16 t .. + 15, g].
+// Symmetric (every min -o scale: Q4_0 o = 8, Q5_0 16, Q6_K 32, Q8_0 128): w = (code - o) scale.
+// Rows past N have code 0, scale 0, min 0.
+//
+// x in two int8 parts per row and group of gs: dx = max |x| / 127, t = x / dx (float32),
+// h = t rounded to nearest even (-127 .. 127), l = (t - h) 256 rounded (-127 .. 127, the
+// difference exact), so x = dx (h + l / 256) to 2^-9 dx (about 16 bits beside the group's largest
+// value, where bfloat16 keeps 8 of each value: in a dot product's sum the error is the smaller, so
+// this computes the bfloat16 model's products more exactly than the bfloat16 copy does). One part
+// alone (llama.cpp's Q8 activations) flipped SmolLM2's greedy answer to the test suite's France
+// prompt at +0.23% perplexity. The group's output, both parts' integer sums exact and combined as
+// A = 256 sum code h + sum code l (< 2^28), S = 256 sum h + sum l:
+//   out[m, n] = sum_g (dx / 256) (scale A + min S)        (symmetric: scale (A - o S))
+//
+// Schedule: tiles in parallel; per tile, rows in blocks of up to 8 (as even as they come), per group
+// the block's two int32 sums per row in registers (one broadcast of 4 bytes of x's part per
+// vpdpbusd), folded into float32 results at the group's end (shift, add, cvt, mul, fma per row;
+// the mins' fma unless symmetric, where the sums start at -o times x's sums instead). A row's
+// result does not depend on the other rows of the call nor on the thread count. Rows go in panels of
+// 128 so that a panel's parts stay in L2 while every tile passes over them.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int kMaxBlock = 8;
+constexpr int64_t kPanel = 128;
+
+// x quantized per row and group: parts h and l int8 [M, K]; d = dx / 256 float32, sh and sl (the
+// parts' sums) int32 [M, G].
+struct QuantizedX {
+  at::Tensor h, l, d, sh, sl;
+};
+
+struct RowOut {
+  int8_t* h;
+  int8_t* l;
+  float* d;
+  int32_t* sh;
+  int32_t* sl;
+};
+
+template <typename T>
+void quantize_row_portable(const T* x, int64_t K, int64_t gs, RowOut o) {
+  for (int64_t g = 0; g < K / gs; ++g) {
+    float amax = 0.f;
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sh = 0, sl = 0;
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+      const float t = static_cast<float>(x[k]) * inv;
+      const float h = std::nearbyint(t);
+      const int32_t l = static_cast<int32_t>(std::nearbyint((t - h) * 256.f));
+      o.h[k] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(h), -127, 127));
+      o.l[k] = static_cast<int8_t>(std::clamp(l, -127, 127));
+      sh += o.h[k];
+      sl += o.l[k];
+    }
+    o.d[g] = amax / 127.f / 256.f;
+    o.sh[g] = sh;
+    o.sl[g] = sl;
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <typename T>
+void quantize_row_vector(const T* x, int64_t K, int64_t gs, RowOut o) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t g = 0; g < K / gs; ++g) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, load16(x + k)));
+    const float a = _mm512_reduce_max_ps(amax);
+    const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+    __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
+      const __m512 t = _mm512_mul_ps(load16(x + k), inv);
+      const __m512 h = _mm512_roundscale_ps(t, kNearest);
+      const __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(t, h), _mm512_set1_ps(256.f)), kNearest);
+      const __m512i hq = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(h), hi), lo);
+      const __m512i lq = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(l), hi), lo);
+      sh = _mm512_add_epi32(sh, hq);
+      sl = _mm512_add_epi32(sl, lq);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o.h + k), _mm512_cvtepi32_epi8(hq));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o.l + k), _mm512_cvtepi32_epi8(lq));
+    }
+    o.d[g] = a / 127.f / 256.f;
+    o.sh[g] = _mm512_reduce_add_epi32(sh);
+    o.sl[g] = _mm512_reduce_add_epi32(sl);
+  }
+}
+#endif
+
+template <typename T>
+QuantizedX quantize_rows(const at::Tensor& x, int64_t gs, bool generic) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / gs;
+  const auto bytes = x.options().dtype(at::kChar), ints = x.options().dtype(at::kInt);
+  QuantizedX q{at::empty({M, K}, bytes), at::empty({M, K}, bytes), at::empty({M, G}, x.options().dtype(at::kFloat)),
+               at::empty({M, G}, ints), at::empty({M, G}, ints)};
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const RowOut o{q.h.data_ptr<int8_t>() + m * K, q.l.data_ptr<int8_t>() + m * K, q.d.data_ptr<float>() + m * G,
+                     q.sh.data_ptr<int32_t>() + m * G, q.sl.data_ptr<int32_t>() + m * G};
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if (!generic && gs % 16 == 0) {
+        quantize_row_vector(xp + m * K, K, gs, o);
+        continue;
+      }
+#endif
+      quantize_row_portable(xp + m * K, K, gs, o);
+    }
+  });
+  return q;
+}
+
+// What every tile task reads.
+struct Args {
+  const int8_t* h;
+  const int8_t* l;
+  const float* d;
+  const int32_t* sh;
+  const int32_t* sl;
+  const uint8_t* copy;
+  const float* bias;  // float32 [N] or nullptr
+  int64_t M, K, N, G, gs, block;  // block: bytes per (tile, group)
+  int32_t offset;                 // symmetric copy: w = (code - offset) scale, no mins; -1: mins
+};
+
+inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
+
+template <typename O>
+inline void put(O* out, float v) {
+  if constexpr (std::is_same_v<O, float>) *out = v;
+  else *out = static_cast<O>(v);
+}
+
+// Portable: the same sums, one output at a time (the vector path's order: integer sums exact,
+// then per group res = fma(float(A), scale * d, res); res = fma(min, d * float(S), res)).
+template <typename O>
+void tile_portable(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, bool bf16_round) {
+  const int64_t rows = std::min<int64_t>(16, a.N - 16 * t);
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t r = 0; r < rows; ++r) {
+      float res = 0.f;
+      for (int64_t g = 0; g < a.G; ++g) {
+        const uint8_t* blk = a.copy + (t * a.G + g) * a.block;
+        float scale, mn = 0.f;
+        std::memcpy(&scale, blk + 16 * a.gs + 4 * r, 4);
+        if (a.offset < 0) std::memcpy(&mn, blk + 16 * a.gs + 64 + 4 * r, 4);
+        const int64_t mg = m * a.G + g;
+        int32_t ah = a.offset < 0 ? 0 : -a.offset * a.sh[mg];
+        int32_t al = a.offset < 0 ? 0 : -a.offset * a.sl[mg];
+        for (int64_t k = 0; k < a.gs; ++k) {
+          const int32_t c = blk[64 * (k / 4) + 4 * r + k % 4];
+          ah += c * a.h[m * a.K + g * a.gs + k];
+          al += c * a.l[m * a.K + g * a.gs + k];
+        }
+        const float d = a.d[mg];
+        res = std::fma(static_cast<float>(ah * 256 + al), scale * d, res);
+        if (a.offset < 0) res = std::fma(mn, d * static_cast<float>(a.sh[mg] * 256 + a.sl[mg]), res);
+      }
+      if (a.bias) res += a.bias[16 * t + r];
+      put(out + m * a.N + 16 * t + r, bf16_round ? round_bf16(res) : res);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kFast = true;
+
+template <typename O>
+inline void store_row(O* p, __m512 v, __mmask16 live, bool bf16_round) {
+  if constexpr (std::is_same_v<O, float>) {
+    if (bf16_round) {  // bfloat16 x, out_float32: the bfloat16 rounding, widened
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(r, 16), 16));
+    }
+    _mm512_mask_storeu_ps(p, live, v);
+  } else {
+    store16(p, v, live);
+  }
+}
+
+// Rows m0 .. m0 + R of tile t: per group, 2 R int32 sums of C = gs / 4 vpdpbusd each, then the fold.
+template <int R, int C, bool Sym, typename O>
+inline void tile_block(const Args& a, int64_t t, int64_t m0, O* out, bool bf16_round) {
+  __m512 res[R];
+  for (int r = 0; r < R; ++r) res[r] = _mm512_setzero_ps();
+  const int32_t* xh[R];
+  const int32_t* xl[R];
+  for (int r = 0; r < R; ++r) {
+    xh[r] = reinterpret_cast<const int32_t*>(a.h + (m0 + r) * a.K);
+    xl[r] = reinterpret_cast<const int32_t*>(a.l + (m0 + r) * a.K);
+  }
+  const uint8_t* blk = a.copy + t * a.G * a.block;
+  for (int64_t g = 0; g < a.G; ++g, blk += a.block) {
+    __m512i ah[R], al[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t mg = (m0 + r) * a.G + g;
+      ah[r] = Sym ? _mm512_set1_epi32(-a.offset * a.sh[mg]) : _mm512_setzero_si512();
+      al[r] = Sym ? _mm512_set1_epi32(-a.offset * a.sl[mg]) : _mm512_setzero_si512();
+    }
+    const int64_t x0 = g * C;
+    for (int c = 0; c < C; ++c) {
+      const __m512i w = _mm512_load_si512(reinterpret_cast<const __m512i*>(blk + 64 * c));
+      for (int r = 0; r < R; ++r) {
+        ah[r] = _mm512_dpbusd_epi32(ah[r], w, _mm512_set1_epi32(xh[r][x0 + c]));
+        al[r] = _mm512_dpbusd_epi32(al[r], w, _mm512_set1_epi32(xl[r][x0 + c]));
+      }
+    }
+    const __m512 scale = _mm512_load_ps(reinterpret_cast<const float*>(blk + 64 * C));
+    for (int r = 0; r < R; ++r) {
+      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(ah[r], 8), al[r]);
+      const float d = a.d[(m0 + r) * a.G + g];
+      res[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(d)), res[r]);
+    }
+    if constexpr (!Sym) {
+      const __m512 mn = _mm512_load_ps(reinterpret_cast<const float*>(blk + 64 * C + 64));
+      for (int r = 0; r < R; ++r) {
+        const int64_t mg = (m0 + r) * a.G + g;
+        res[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.d[mg] * static_cast<float>(a.sh[mg] * 256 + a.sl[mg])), res[r]);
+      }
+    }
+  }
+  const int64_t rows = std::min<int64_t>(16, a.N - 16 * t);
+  const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512 b = a.bias ? _mm512_maskz_loadu_ps(live, a.bias + 16 * t) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    store_row(out + (m0 + r) * a.N + 16 * t, a.bias ? _mm512_add_ps(res[r], b) : res[r], live, bf16_round);
+}
+
+template <int C, bool Sym, typename O, int R = kMaxBlock>
+inline void block_of(int rows, const Args& a, int64_t t, int64_t m0, O* out, bool bf16_round) {
+  if constexpr (R > 1) {
+    if (rows < R) return block_of<C, Sym, O, R - 1>(rows, a, t, m0, out, bf16_round);
+  }
+  tile_block<R, C, Sym>(a, t, m0, out, bf16_round);
+}
+
+template <int C, bool Sym, typename O>
+void tile_vector(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, bool bf16_round) {
+  const int64_t blocks = (m1 - m0 + kMaxBlock - 1) / kMaxBlock;
+  int64_t m = m0;
+  for (int64_t b = 0; b < blocks; ++b) {  // as even as they come
+    const int rows = static_cast<int>((m1 - m + (blocks - b) - 1) / (blocks - b));
+    block_of<C, Sym>(rows, a, t, m, out, bf16_round);
+    m += rows;
+  }
+}
+#else
+constexpr bool kFast = false;
+#endif
+
+template <typename O>
+void run(const Args& a, O* out, bool bf16_round, bool generic) {
+  const int64_t tiles = (a.N + 15) / 16;
+  for (int64_t p0 = 0; p0 < a.M; p0 += kPanel) {
+    const int64_t p1 = std::min(a.M, p0 + kPanel);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+        if (!generic && a.gs == 32) {
+          a.offset < 0 ? tile_vector<8, false>(a, t, p0, p1, out, bf16_round)
+                       : tile_vector<8, true>(a, t, p0, p1, out, bf16_round);
+          continue;
+        }
+        if (!generic && a.gs == 16) {
+          a.offset < 0 ? tile_vector<4, false>(a, t, p0, p1, out, bf16_round)
+                       : tile_vector<4, true>(a, t, p0, p1, out, bf16_round);
+          continue;
+        }
+#endif
+        tile_portable(a, t, p0, p1, out, bf16_round);
+      }
+    });
+  }
+}
+
+}  // namespace
+
+bool int8_copy_linear_fast() { return kFast; }
+
+at::Tensor int8_copy_linear(at::Tensor x, at::Tensor copy, int64_t N, int64_t group_size, int64_t offset,
+                            at::Tensor bias, bool out_float32, KernelPath path) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "int8_copy_linear: x must be float32 or bfloat16 [M, K]");
+  TORCH_CHECK(copy.dim() == 3 && copy.scalar_type() == at::kByte && copy.is_contiguous(),
+              "int8_copy_linear: copy must be contiguous uint8 [tiles, groups, bytes]");
+  const int64_t M = x.size(0), K = x.size(1), gs = group_size;
+  TORCH_CHECK(gs > 0 && gs % 4 == 0 && K % gs == 0 && copy.size(1) * gs == K,
+              "int8_copy_linear: ", copy.size(1), " groups of ", gs, " do not make K = ", K);
+  TORCH_CHECK(offset >= -1 && offset <= 255, "int8_copy_linear: offset must be -1 (mins) or a code 0..255");
+  const int64_t bytes = 16 * gs + (offset < 0 ? 128 : 64);
+  TORCH_CHECK(copy.size(2) == bytes, "int8_copy_linear: ", copy.size(2), " bytes per group, expected ", bytes);
+  TORCH_CHECK(N > 0 && copy.size(0) == (N + 15) / 16, "int8_copy_linear: ", copy.size(0),
+              " tiles do not hold N = ", N);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(copy.data_ptr()) % 64 == 0, "int8_copy_linear: copy must be 64-byte aligned");
+  TORCH_CHECK(!bias.defined() || bias.numel() == 0 || bias.numel() == N, "int8_copy_linear: bias must have N values");
+  const bool generic = is_portable(path);
+  const auto xc = x.contiguous();
+  const QuantizedX q = x.scalar_type() == at::kFloat ? quantize_rows<float>(xc, gs, generic)
+                                                     : quantize_rows<c10::BFloat16>(xc, gs, generic);
+  const auto b = bias.defined() && bias.numel() ? bias.to(at::kFloat).contiguous() : at::Tensor();
+  const Args a{q.h.data_ptr<int8_t>(),   q.l.data_ptr<int8_t>(),   q.d.data_ptr<float>(),
+               q.sh.data_ptr<int32_t>(), q.sl.data_ptr<int32_t>(), copy.data_ptr<uint8_t>(),
+               b.defined() ? b.data_ptr<float>() : nullptr, M, K, N, copy.size(1), gs, copy.size(2),
+               static_cast<int32_t>(offset)};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (out_float32 || !bf16) {
+    auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+    run(a, out.data_ptr<float>(), bf16, generic);
+    return out;
+  }
+  auto out = at::empty({M, N}, x.options());
+  run(a, out.data_ptr<c10::BFloat16>(), true, generic);
+  return out;
+}

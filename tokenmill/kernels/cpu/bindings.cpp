@@ -64,7 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_copy_linear_fast", &int8_copy_linear_fast,
         "whether int8_copy_linear has its AVX-512 VNNI path (else it runs plain loops)");
   m.def("int8_copy_linear", &int8_copy_linear,
-        "grouped codes' int8 copy (int8_copy_pack) times x quantized to int8 per row and group of group_size, "
+        "grouped codes' int8 copy (int8_copy_pack; offset: its symmetric code offset, or -1 where it holds mins) times x "
+        "in two int8 parts per row and group of group_size, "
         "any number of rows (CPU)",
         py::arg("x"), py::arg("copy"), py::arg("out_features"), py::arg("group_size"), py::arg("offset"),
         py::arg("bias"),

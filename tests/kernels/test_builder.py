@@ -86,3 +86,28 @@ def test_make_install_builds_the_kernels():
     recipe = (ROOT / "Makefile").read_text().split("\ninstall:", 1)[1].split("\n\n", 1)[0]
     lines = [line.strip() for line in recipe.splitlines()[1:] if not line.strip().startswith("#")]
     assert lines.index("$(PY) -m tokenmill.kernels") > next(i for i, x in enumerate(lines) if "pip install" in x)
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path, caplog):
+    """A build killed mid-way leaves torch's lock file, on which every later build would wait forever:
+    one older than the limit is removed (with a warning); a fresh one is waited for until its
+    build removes it."""
+    import logging
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 100
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kernels"):
+        builder.wait_for_build_lock(tmp_path, stale_after=50, poll=0.01)
+    assert not lock.exists() and "stale kernel build lock" in caplog.text
+    lock.touch()
+    remover = threading.Timer(0.2, lock.unlink)
+    remover.start()
+    start = time.monotonic()
+    builder.wait_for_build_lock(tmp_path, stale_after=50, poll=0.01)
+    assert time.monotonic() - start >= 0.15 and not lock.exists()
+    builder.wait_for_build_lock(tmp_path)  # no lock: returns at once
+

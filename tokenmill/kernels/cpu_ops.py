@@ -8,6 +8,9 @@ torch's ninja build records absolute source paths, so two checkouts sharing one 
 rebuild it in turn, each invalidating the other's build. With the path in the key each checkout
 has its own directory and keeps reusing it.
 
+A build killed mid-way leaves torch's lock file in its directory, which would make every later
+build wait forever: :func:`wait_for_build_lock` removes one older than STALE_LOCK_SECONDS.
+
 Build ahead of time with ``python -m tokenmill.kernels`` (``make install`` runs it), so that no
 request ever waits for the compiler.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -38,6 +42,9 @@ HEADER_NAMES = ("kernels.h", "simd.h", "amx.h")
 SOURCES = [SOURCE_DIR / name for name in SOURCE_NAMES]
 HEADERS = [SOURCE_DIR / name for name in HEADER_NAMES]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+STALE_LOCK_SECONDS = 1200.0
+"""A build directory's lock older than this is left by a build that died (a full build takes about two
+minutes, seven on a loaded host): torch's builder would wait on it forever."""
 
 
 def build_dir(source_dir: Path = SOURCE_DIR) -> Path:
@@ -60,6 +67,23 @@ def is_built(directory: Path | None = None) -> bool:
     return (directory / f"{MODULE_NAME}.so").exists()
 
 
+def wait_for_build_lock(directory: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 0.5) -> None:
+    """Return once ``directory`` has no build lock: another process's build finished (it removes
+    its lock), or the lock is older than ``stale_after`` seconds, left by a build that was killed
+    (removed here, with a warning). torch's ``cpp_extension`` takes the lock itself afterwards."""
+    lock = directory / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after:
+            logger.warning("removing the stale kernel build lock %s (%.0f s old: its build died)", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll)
+
+
 def build() -> ModuleType:
     """The compiled module, compiling it first when this checkout has no build of these sources.
 
@@ -70,6 +94,7 @@ def build() -> ModuleType:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    wait_for_build_lock(directory)
     if not is_built(directory):
         logger.info("compiling CPU kernels into %s (first use of these sources in this checkout)", directory)
     return cpp_load(name=MODULE_NAME, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS,

@@ -32,7 +32,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tokenmill.eval.corpus import fetch_corpus, read_tokens
     from tokenmill.eval.perplexity import perplexity
     from tokenmill.loader import load_model
-
     from tokenmill.quantization.grouped import apply_copies
 
     loaded = load_model(args.model, args.dtype, args.device, args.cache_dir)

@@ -15,12 +15,13 @@
 //
 // x in two int8 parts per row and group of gs: dx = max |x| / 127, t = x / dx (float32),
 // h = t rounded to nearest even (-127 .. 127), l = (t - h) 256 rounded (-127 .. 127, the
-// difference exact), so x = dx (h + l / 256) to 2^-9 dx (about 16 bits beside the group's largest
-// value, where bfloat16 keeps 8 of each value: in a dot product's sum the error is the smaller, so
-// this computes the bfloat16 model's products more exactly than the bfloat16 copy does). One part
-// alone (llama.cpp's Q8 activations) flipped SmolLM2's greedy answer to the test suite's France
-// prompt at +0.23% perplexity. The group's output, both parts' integer sums exact and combined as
-// A = 256 sum code h + sum code l (< 2^28), S = 256 sum h + sum l:
+// difference exact), so x = dx (h + l / 256) to 2^-9 dx (2^-8 where l is clamped): about 16 bits
+// beside the group's largest value, where bfloat16 keeps 8 of each value; in a dot product's sum
+// the error is the smaller, so this computes the bfloat16 model's products more exactly than the
+// bfloat16 copy does. One part alone (llama.cpp's Q8 activations) flipped SmolLM2's greedy answer
+// to the test suite's France prompt at +0.23% perplexity. The group's output, both parts' integer
+// sums exact and combined as A = 256 sum code h + sum code l (< 2^29 with a symmetric offset's
+// -o S in it), S = 256 sum h + sum l:
 //   out[m, n] = sum_g (dx / 256) (scale A + min S)        (symmetric: scale (A - o S))
 //
 // Schedule: tiles in parallel; per tile, rows in blocks of up to 8 (as even as they come), per group
@@ -90,7 +91,8 @@ void quantize_row_vector(const T* x, int64_t K, int64_t gs, RowOut o) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t g = 0; g < K / gs; ++g) {
     __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, load16(x + k)));
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 16)
+      amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, load16(x + k)));
     const float a = _mm512_reduce_max_ps(amax);
     const __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
     __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();

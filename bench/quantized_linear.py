@@ -14,6 +14,9 @@ Kernels, all on the same shapes with bfloat16 x and bfloat16 out:
     group5   group_weight_linear bits 5 (codes 0..31, 5/8 of a byte each: Q5_0, Q5_1, Q5_K)
     group7   group_weight_linear bits 7 (codes 0..127, a byte each: Q6_K)
     group8   group_weight_linear bits 8 (codes 0..255: Q8_0)
+    i8copy8  int8_copy_linear over the same codes' int8 copy (grouped.int8_copy_pack: a byte each, 4
+             columns a 32-bit lane; x in two int8 parts per group, vpdpbusd), what 8-bit layers take
+             below the bfloat16 copy's rows with --int8-copies
 all with --group-size input columns per group (32: Q4_0 .. Q8_0, Q4_K, Q5_K; 16: Q6_K), and
     int8     tokenmill's int8 (``Int8Linear`` with bfloat16 scales: symmetric codes, one scale per
              output channel), on the grouped kernel with one group per row
@@ -48,7 +51,9 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels import dispatch
+from tokenmill.loading.gguf_groups import GroupedWeight
 from tokenmill.quantization import kernels as qk
+from tokenmill.quantization.grouped import int8_copy_pack
 from tokenmill.quantization.linear import Int8Linear
 
 RESULTS = Path(__file__).parent / "results"
@@ -76,7 +81,7 @@ def stack(group: int, symmetric: bool, names) -> dict:
                 fns[name](x if k == x.shape[1] else xs[k, m])
 
     return {name: (lambda name: lambda x: run(name, x))(name) for name in layers[0][0]}
-KERNELS = ["bf16", "int4", "group4", "group4vec", "group5", "group7", "group8", "int8", "int8fma"]
+KERNELS = ["bf16", "int4", "group4", "group4vec", "group5", "group7", "group8", "i8copy8", "int8", "int8fma"]
 
 
 def weights(n: int, k: int, group: int, symmetric: bool, seed: int, names=KERNELS):
@@ -96,12 +101,16 @@ def weights(n: int, k: int, group: int, symmetric: bool, seed: int, names=KERNEL
         int4 = qk.int4_cpu_pack(qk.pack_nibbles(q), scale, zero)
         fns["int4"] = lambda x: ops.int4_weight_linear(x, int4[0], int4[1], group)
     for bits, largest, offset in ((4, 15, 8), (5, 31, 16), (7, 63, 32), (8, 255, 128)):
-        wanted = [name for name in (f"group{bits}", f"group{bits}vec") if name in names]
+        wanted = [name for name in (f"group{bits}", f"group{bits}vec", f"i8copy{bits}") if name in names]
         if not wanted:
             continue
         codes = torch.randint(0, largest + 1, (n, k), generator=g, dtype=torch.uint8)
         s = torch.randn(n, groups, generator=g) * 0.01
         mins = -offset * s if symmetric else torch.randn(n, groups, generator=g) * 0.01 * offset
+        if f"i8copy{bits}" in wanted:
+            copy, copy_offset = int8_copy_pack(GroupedWeight(codes, s, mins, group, bits))
+            fns[f"i8copy{bits}"] = lambda x: ops.int8_copy_linear(x, copy, n, group, copy_offset, empty)
+            wanted.remove(f"i8copy{bits}")
         packed, sz = qk.group_cpu_pack(codes, s, mins, bits)
         if symmetric:  # Q4_0, Q5_0, Q8_0 as loaded: scales alone
             sz = qk.scales_alone(sz, bits)

@@ -309,8 +309,9 @@ def keep_bf16_copies(model: torch.nn.Module, rows: int | None = None) -> int:
 INT8_COPY_BITS = (8,)
 """Codes that get an int8 copy by default: 8-bit ones (Q8_0, the shipped models' LM heads). Their codes
 stream at the copy's bytes (1 + 1 / 16 a weight) but widen in several instructions each; the copy's
-products need none (Gemma 3's 262k-row Q8_0 head, ``bench/quantized_linear.py``-style timing, one
-call: 1 / 4 / 8 rows 2.5 / 3.3 / 5.8 ms against 4.3 / 4.8 / 7.5 on the codes). Narrower codes stream
+products need none (Gemma 3's 262k-row Q8_0 head, ``python bench/quantized_linear.py --shapes heads
+--kernels group8 i8copy8 --mins symmetric``: 1 / 4 / 8 rows 4.87 / 5.75 / 6.47 ms against 5.86 / 6.64 /
+8.38 on the codes, level at 12, behind from 16, where the bfloat16 copy takes over). Narrower codes stream
 fewer bytes than their copy would and keep them (Gemma's 5-bit down projection, hot: 4 rows 0.025 ms
 on the copy against 0.033 ms on the codes but 8 rows 0.053 against 0.037)."""
 INT8_COPY_GROUPS = (16, 32)

@@ -67,7 +67,7 @@ class LoadConfig(Config):
     int8_copies: bool = option(
         True, "GGUF weights as stored, CPUs with AVX-512 VNNI: also keep each 8-bit quantized linear (Q8_0: the "
         "shipped models' LM heads) as an int8 copy (+1 byte a weight) that bfloat16 calls below --bf16-copy-rows "
-        "take, x in two int8 parts (closer to x than bfloat16 is); on where the bfloat16 copies would be")
+        "take, x in two int8 parts (closer to x than bfloat16 is); kept wherever the bfloat16 copies are")
     cache_dir: str | None = option(
         None, "where fetched models and tokenizers are kept (default: $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill)")
 

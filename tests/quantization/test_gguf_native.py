@@ -311,8 +311,8 @@ def test_the_native_head_writes_float32_logits_of_the_bfloat16_values(every_type
 def test_bf16_copies_by_default_only_where_they_are_small(every_type_gguf: Path) -> None:
     """The default (bf16_copy_rows None): copies when they take at most 1/16 of the machine's
     memory, for calls of 24 rows or more over 4-bit codes and 12 over wider ones, and int8 copies of
-    the 8-bit layers for the other bfloat16 calls; a number sets every layer's; 0 and
-    int8_copies=False turn them off; a model without grouped layers gets none."""
+    the 8-bit layers for the other bfloat16 calls; a number sets every layer's; 0 turns both off,
+    int8_copies=False the int8 ones; a model without grouped layers gets none."""
     from tokenmill import LLM
     from tokenmill.quantization.grouped import AUTO_COPY_ROWS, AUTO_COPY_ROWS_4BIT, auto_bf16_copies
 
@@ -327,9 +327,12 @@ def test_bf16_copies_by_default_only_where_they_are_small(every_type_gguf: Path)
     assert {bits for bits, _ in rows} >= {4, 8} and rows == {(b, 24 if b == 4 else 12) for b, _ in rows}
     fixed = LLM(str(every_type_gguf), device="cpu", bf16_copy_rows=16).engine.runner.model
     assert {m.cpu_kernel_spec().bf16_copy_rows for m in fixed.modules() if isinstance(m, GroupedLinear)} == {16}
-    off = LLM(str(every_type_gguf), device="cpu", bf16_copy_rows=0, int8_copies=False).engine.runner.model
+    off = LLM(str(every_type_gguf), device="cpu", bf16_copy_rows=0).engine.runner.model  # the file's size
     assert all(m.cpu_kernel_spec().bf16_copy is None and m.cpu_kernel_spec().int8_copy is None
                for m in off.modules() if isinstance(m, GroupedLinear))
+    no_int8 = LLM(str(every_type_gguf), device="cpu", int8_copies=False).engine.runner.model
+    assert all(m.cpu_kernel_spec().int8_copy is None for m in no_int8.modules() if isinstance(m, GroupedLinear))
+    assert no_int8.lm_head.cpu_kernel_spec().bf16_copy is not None
     # int8 copies: the 8-bit layers' (the tied head's among them), on hosts with AVX-512 VNNI
     int8 = {m.bits for m in default.modules() if isinstance(m, GroupedLinear) and m.cpu_kernel_spec().int8_copy is not None}
     assert int8 == ({8} if OPS.int8_copy_linear_fast() else set())

@@ -330,18 +330,19 @@ def keep_int8_copies(model: torch.nn.Module, bits: tuple[int, ...] = INT8_COPY_B
 
 
 def apply_copies(model: torch.nn.Module, bf16_copy_rows: int | None = None, int8_copies: bool = True) -> int:
-    """What ``LoadConfig.bf16_copy_rows`` and ``int8_copies`` ask of a loaded ``model``; where copies
-    are on by default (``bf16_copy_rows`` None, ``int8_copies``), only where :func:`auto_bf16_copies`
-    finds them small. Logs what it kept. -> the bytes added."""
-    added = 0
+    """What ``LoadConfig.bf16_copy_rows`` and ``int8_copies`` ask of a loaded ``model``: bfloat16 copies
+    for calls of ``bf16_copy_rows`` rows or more (None: each layer's default, where
+    :func:`auto_bf16_copies` finds them small; 0: none), and with ``int8_copies`` the 8-bit layers'
+    int8 copies for the calls below those rows, wherever the bfloat16 copies are kept (so 0 keeps the
+    model at its file's size). Logs what it kept. -> the bytes added."""
     rows = bf16_copy_rows
-    small = auto_bf16_copies(model) if rows is None or int8_copies else False
-    if rows or (rows is None and small):
-        added = keep_bf16_copies(model, rows)
-        if added:
-            logger.info("bfloat16 copies of the quantized linears for calls of %s rows or more: %.1f MiB",
-                        rows or f"{AUTO_COPY_ROWS_4BIT} (4-bit codes) or {AUTO_COPY_ROWS}", added / 2**20)
-    if int8_copies and small:
+    if not (rows or (rows is None and auto_bf16_copies(model))):
+        return 0
+    added = keep_bf16_copies(model, rows)
+    if added:
+        logger.info("bfloat16 copies of the quantized linears for calls of %s rows or more: %.1f MiB",
+                    rows or f"{AUTO_COPY_ROWS_4BIT} (4-bit codes) or {AUTO_COPY_ROWS}", added / 2**20)
+    if int8_copies:
         int8 = keep_int8_copies(model)
         if int8:
             logger.info("int8 copies of the 8-bit quantized linears for bfloat16 calls below those rows: %.1f MiB",

@@ -194,12 +194,8 @@ constexpr bool kFast = true;
 template <typename O>
 inline void store_row(O* p, __m512 v, __mmask16 live, bool bf16_round) {
   if constexpr (std::is_same_v<O, float>) {
-    if (bf16_round) {  // bfloat16 x, out_float32: the bfloat16 rounding, widened
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(r, 16), 16));
-    }
+    if (bf16_round)  // bfloat16 x, out_float32: the bfloat16 rounding, widened
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
     _mm512_mask_storeu_ps(p, live, v);
   } else {
     store16(p, v, live);

@@ -204,10 +204,7 @@ inline void prefetch_b_ahead(const W* bs, const float* bscale, int64_t R, int64_
 // issued after a store to the same address bits waits for that store.
 inline void store_full(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store_full(at::BFloat16* p, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
 }
 
 template <int MT, typename T>

@@ -30,14 +30,18 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// The lanes of mask stored; bfloat16 rounded to nearest even, as c10::BFloat16(float) does for
-// finite values.
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
+// The bfloat16 bits of 16 floats (in the low half of each 32-bit lane), rounded to nearest even as
+// c10::BFloat16(float) does for finite values.
+inline __m512i bf16_bits16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+}
+
+// The lanes of mask stored; bfloat16 rounded to nearest even (bf16_bits16).
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits16(v)));
 }
 
 // r[i] = sum of the 16 lanes of a[i]: a transpose-and-add tree, about 3 instructions per vector
@@ -78,6 +82,7 @@ inline __m512 exp16(__m512 x) {
 
 }  // namespace tokenmill_simd
 
+using tokenmill_simd::bf16_bits16;
 using tokenmill_simd::exp16;
 using tokenmill_simd::load16;
 using tokenmill_simd::store16;

@@ -247,7 +247,8 @@ def test_an_int8_copy_takes_the_bf16_calls_below_the_bf16_copys_rows(qtype: Q) -
     weight = gguf_groups(torch.from_numpy(random_blocks(qtype, (40, 256), rng, False)), qtype, (40, 256))
     plain, copied, layer = (GroupedLinear.from_gguf(weight) for _ in range(3))
     assert 40 * 256 <= layer.keep_int8_copy() <= 48 * 256 * 1.25
-    copied.keep_bf16_copy(8), layer.keep_bf16_copy(8)
+    for m in (copied, layer):
+        m.keep_bf16_copy(8)
     copy, offset = int8_copy_pack(weight)
     assert offset == {Q.Q4_1: -1, Q.Q5_0: 16, Q.Q6_K: 32, Q.Q8_0: 128}[qtype]
     g = torch.Generator().manual_seed(2)

@@ -1,6 +1,6 @@
 """Speculative decoding on and off, side by side in one run: output tok/s, acceptance, tokens per step.
 
-    python bench/speculative.py [--model smollm2-135m-instruct] [--methods ngram eagle layerskip]
+    python bench/speculative.py [--model smollm2-135m-instruct] [--methods ngram eagle layerskip shortlist]
                                 [--draft-model M] [--eagle-head DIR] [--batches 1 4 16 64] [--rounds 3]
                                 [--max-tokens 192] [--k 4] [--no-adaptive] [--min-prompts 8]
 
@@ -138,6 +138,8 @@ def engines(args) -> dict[str, LLM]:
             spec["draft_model"] = args.eagle_head
         if method == "layerskip" and args.layer_skip_layers:
             spec["layer_skip_layers"] = args.layer_skip_layers
+        if method == "shortlist" and args.draft_vocab_size:
+            spec["draft_vocab_size"] = args.draft_vocab_size
         out[method] = LLM(args.model, device="cpu", speculative=spec)
     return out
 
@@ -145,12 +147,15 @@ def engines(args) -> dict[str, LLM]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft", "eagle", "layerskip"])
+    parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft", "eagle", "layerskip",
+                                                                             "shortlist"])
     parser.add_argument("--draft-model", default=None, help="the draft of method draft (e.g. one distilled with "
                         "tokenmill distill --objective acceptance --data chat)")
     parser.add_argument("--eagle-head", default=None, help="the head directory of method eagle "
                         "(tokenmill spec train-heads MODEL --out DIR)")
     parser.add_argument("--layer-skip-layers", type=int, default=0)
+    parser.add_argument("--draft-vocab-size", type=int, default=0, help="shortlist: the draft head's tokens "
+                        "(0: the engine's default)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)

@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"tokenmill.config"},                          # ModelConfig, LoadConfig
     {"tokenmill.device", "tokenmill.allocator"},   # the device; the CPU allocator's thresholds
     {"tokenmill.sampling_params"},
+    {"tokenmill.chat_requests"},                   # generic chat requests a model answers (drafts, shortlists)
     {"tokenmill.kernels"},                         # C++ CPU kernels and the one place that picks them
     {"tokenmill.loading"},                         # sources, GGUF, safetensors, tokenizer, checkpoints
     {"tokenmill.attention"},                       # KV storage, step metadata, the backend

@@ -79,7 +79,7 @@ class CacheConfig(Config):
         return int(self.kv_cache_memory * free_memory(device))
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "eagle", "layerskip")
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle", "layerskip", "shortlist")
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ class SpeculativeConfig(Config):
         None, "draft tokens that the model verifies in the step's batch (output distributed as without): ngram "
               "(prompt lookup: what followed the newest n-gram earlier in the sequence), draft (a smaller model "
               "with the same tokenizer: --draft-model), eagle (a head trained by `tokenmill spec train-heads`: "
-              "--draft-model DIR), layerskip (the model's own first layers and head); off by default",
+              "--draft-model DIR), layerskip (the model's own first layers and head), shortlist (the model's own "
+              "layers and its head cut to the tokens it writes most: --draft-vocab-size); off by default",
         choices=SPECULATIVE_METHODS)
     num_speculative_tokens: int = option(4, "most tokens drafted for a sequence in one step")
     speculative_adaptive: bool = option(
@@ -104,12 +105,15 @@ class SpeculativeConfig(Config):
         None, "draft: the draft model (a known name, GGUF file, HF or tokenmill-quantized directory); it must "
               "share the model's tokenizer. eagle: the head's directory")
     layer_skip_layers: int = option(0, "layerskip: how many of the model's first layers the draft runs; 0 means half")
+    draft_vocab_size: int = option(
+        16384, "shortlist: how many of the tokens the model writes most its draft head keeps (ranked once from "
+               "its own answers to chat prompts, then read from the cache directory)")
 
     KEYS: ClassVar[dict[str, str]] = {
         "method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
         "adaptive": "speculative_adaptive", "prompt_lookup_min": "prompt_lookup_min",
         "prompt_lookup_max": "prompt_lookup_max", "model": "draft_model", "draft_model": "draft_model",
-        "layer_skip_layers": "layer_skip_layers"}
+        "layer_skip_layers": "layer_skip_layers", "draft_vocab_size": "draft_vocab_size"}
     """``LLM(speculative={...})``'s keys (vLLM's, plus ours) and the options they set."""
 
     @classmethod
@@ -139,6 +143,8 @@ class SpeculativeConfig(Config):
                                         f"draft_model {self.draft_model!r}")
         if self.layer_skip_layers < 0:
             raise InvalidParameterError(f"layer_skip_layers must be >= 0, got {self.layer_skip_layers}")
+        if self.draft_vocab_size < 1:
+            raise InvalidParameterError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
 
 
 @dataclass(frozen=True)

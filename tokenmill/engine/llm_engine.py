@@ -79,7 +79,8 @@ class LLMEngine:
         self.work_model = WorkModel.of(loaded.config)
         self.drafter = build_drafter(config.speculative, loaded, draft, self.sampler,
                                      self.kv_capacity_tokens + config.scheduler.max_num_seqs
-                                     * config.speculative.num_speculative_tokens, config.cache.block_size)
+                                     * config.speculative.num_speculative_tokens, config.cache.block_size,
+                                     self.kv, cache)
         self.eos_token_ids = frozenset(self.tokenizer.stop_token_ids)
         self.requests: dict[str, Request] = {}
         self._parked: dict[str, list[Sequence]] = {}  # n > 1 samples waiting for their prompt's KV

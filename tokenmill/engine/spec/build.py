@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from functools import partial
 
+from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.engine.config import SpeculativeConfig
+from tokenmill.engine.kv_cache_manager import KVCacheCoordinator
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.spec.cost import CostCurve
 from tokenmill.engine.spec.draft_model import DraftModelProposer, check_same_tokenizer, layer_skip_model
@@ -18,9 +20,11 @@ logger = logging.getLogger("tokenmill.engine")
 
 
 def build_drafter(config: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None, sampler: Sampler,
-                  num_tokens: int, block_size: int) -> Drafter | None:
+                  num_tokens: int, block_size: int, target_kv: KVCacheCoordinator | None = None,
+                  target_cache: PagedKVCache | None = None) -> Drafter | None:
     """None without speculative decoding. ``num_tokens``: how many tokens a draft model's own KV pool
-    holds (the target's pool and every sequence's draft); ``draft``: the loaded draft_model."""
+    holds (the target's pool and every sequence's draft); ``draft``: the loaded draft_model;
+    ``target_kv``, ``target_cache``: the target's block tables and cache (a shortlist draft's)."""
     method = config.speculative_method
     if method is None:
         return None
@@ -34,6 +38,20 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, draft: LoadedM
                                         f"got {layers}")
         make, name = partial(DraftModelProposer, layer_skip_model(target.model, list(range(layers)))), \
             f"layerskip({layers})"
+    elif method == "shortlist":  # over the target's own KV: no pool of its own
+        from tokenmill.engine.spec.shortlist import ShortlistProposer, model_ranking, shortlist, shortlist_model
+
+        if target_kv is None or target_cache is None:
+            raise ValueError("speculative_method shortlist drafts in the target's KV cache: pass target_kv and "
+                             "target_cache")
+        vocab = shortlist(model_ranking(target.model, target.tokenizer), config.draft_vocab_size)
+        name = f"shortlist({len(vocab)})"
+        draft_cost = CostCurve()
+        proposer = ShortlistProposer(shortlist_model(target.model, vocab), target_kv, target_cache, sampler,
+                                     draft_cost.observe, name)
+        logger.info("speculative decoding: %s, up to %d tokens a step, in the model's own KV cache", name,
+                    config.num_speculative_tokens)
+        return Drafter(config, proposer, draft_cost)
     elif method == "eagle":
         from tokenmill.engine.spec.eagle import EagleHead, EagleProposer
 

@@ -20,7 +20,8 @@ A guess is made from the draft's logits processed exactly like the request's own
 The draft's KV holds what it was fed; the next step keeps the part the target kept (the fed
 guesses up to the first refused one) and drops the rest (``truncate``), so a draft never recomputes
 an accepted token. :func:`layer_skip_model` makes the zero-setup draft: the target's first layers
-with its own final norm and head, sharing the target's weights.
+with its own final norm and head, sharing the target's weights (:func:`model_view`; spec/shortlist.py
+keeps every layer and cuts the head instead).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class _Fed:
 
 class DraftModelProposer:
     cheap = False
+    vocab: torch.Tensor | None = None
+    """The token ids of the draft head's logits columns, where its head covers only some tokens
+    (spec/shortlist.py); None: the whole vocabulary, in id order."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, sampler: Sampler,
                  observe: Callable[[int, float], None] | None = None, name: str = "draft") -> None:
@@ -65,6 +69,7 @@ class DraftModelProposer:
         groups, windows = layer_groups(cfg)
         weight = model.embed.weight
         self.name, self.model, self.sampler, self.observe = name, model, sampler, observe
+        self.vocab = getattr(getattr(model, "lm_head", None), "vocab", None)
         self.cache = PagedKVCache([num_blocks] * len(windows), block_size, groups, cfg.num_kv_heads, cfg.head_dim,
                                   weight.dtype, weight.device)
         # prefix caching as the target's: a prompt the target serves from its cache is in the draft's too
@@ -169,6 +174,15 @@ class DraftModelProposer:
                logits: torch.Tensor) -> None:
         """Append each sequence's next guess (and, for rejection sampling, its distribution)."""
         states = [seq.sampling.after(g) for seq, g in zip(seqs, guesses)]
+        vocab = self.vocab
+        if vocab is not None:
+            if all(s.greedy and not s.has_penalties and not s.blocks_stop for s in states):
+                for g, t in zip(guesses, vocab[logits.argmax(-1)].tolist()):  # the argmax of the listed tokens
+                    g.append(t)
+                return
+            full = torch.full((logits.shape[0], self.sampler.vocab_size), -torch.inf, device=logits.device)
+            full[:, vocab] = logits
+            logits = full
         short = self.sampler.vocab_size - logits.shape[1]
         if short > 0:  # a draft head narrower than the target's vocabulary: the rest impossible
             logits = torch.nn.functional.pad(logits, (0, short), value=-torch.inf)
@@ -216,6 +230,13 @@ def layer_skip_model(model: CausalLM, layers: list[int]) -> CausalLM:
     if not layers or layers[0] < 0 or layers[-1] >= total or len(layers) == total:
         raise InvalidParameterError(f"layer-skip draft: a proper subset of the layers 0..{total - 1} of a {total}-layer "
                                     f"model, got {layers}")
+    return model_view(model, layers, model.lm_head)
+
+
+def model_view(model: CausalLM, layers: list[int], lm_head: nn.Module | None) -> CausalLM:
+    """The target running ``layers`` of its blocks (sorted, distinct), then its final norm and
+    ``lm_head`` (None: the tied embedding, as the target's): every weight shared, nothing copied."""
+    layers = sorted(set(layers))
     view = type(model).__new__(type(model))
     nn.Module.__init__(view)
     view.__dict__.update({k: v for k, v in model.__dict__.items() if not k.startswith("_")})
@@ -224,6 +245,6 @@ def layer_skip_model(model: CausalLM, layers: list[int]) -> CausalLM:
     view.config = replace(cfg, num_layers=len(layers), layer_types=types)
     for name, child in model.named_children():
         setattr(view, name, nn.ModuleList([child[i] for i in layers]) if name == "layers" else child)
-    view.lm_head = model.lm_head
+    view.lm_head = lm_head
     view._fused = weakref.WeakKeyDictionary()
     return view

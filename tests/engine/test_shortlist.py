@@ -80,6 +80,15 @@ def test_shortlist_drafts_give_the_output_of_speculation_off(tiny_dir, tmp_path,
     spec = LLM(str(tiny_dir), dtype="float32", device="cpu",
                speculative={"method": "shortlist", "draft_vocab_size": 40, "num_speculative_tokens": 3,
                             "adaptive": False})
+    runner, reused = spec.engine.runner, []
+    execute = runner.execute
+
+    def spy(inputs, with_hidden=False):  # verification reuses the draft's hidden states: one new token
+        reused.extend(len(i.token_ids) == 1 and len(i.hidden_before) + 1 == i.num_sample_rows
+                      for i in inputs if i.hidden_before is not None)
+        return execute(inputs, with_hidden)
+
+    monkeypatch.setattr(runner, "execute", spy)
     expected, got = plain.generate(prompts, params), spec.generate(prompts, params)
     for e, g in zip(expected, got):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
@@ -88,6 +97,7 @@ def test_shortlist_drafts_give_the_output_of_speculation_off(tiny_dir, tmp_path,
         [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
     c = spec.engine.drafter.counters
     assert 0 < c.num_accepted_tokens < c.num_draft_tokens  # an eighth of the vocabulary listed: some guesses wrong
+    assert reused and all(reused)
     proposer = spec.engine.drafter.proposer
     assert proposer.name == "shortlist(40)" and len(proposer.vocab) == 40
     # the tiny model repeats its prompt's last token: ending on a listed one, every guess is kept

@@ -77,6 +77,25 @@ def test_truncate_gives_back_the_blocks_past_the_kept_tokens():
     kv.truncate("gone", 0)  # unknown: a no-op
 
 
+def test_uncount_keeps_the_blocks_for_the_next_allocation():
+    """A draft that is the model itself writes KV past the computed tokens and counts back
+    (uncount): the blocks stay, and the step's allocation of the same tokens takes them again."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    ids = list(range(1, 30))
+    assert kv.allocate_slots("s", ids, 5)
+    kv.cache_blocks("s", ids, 5)  # block 0 cached
+    assert kv.allocate_slots("s", ids, 6)  # 11 tokens: 3 blocks
+    table, free = list(kv.block_table("s")), kv.num_free_blocks
+    kv.uncount("s", 5)
+    assert kv.num_computed_tokens("s") == 5 and kv.block_table("s") == table and kv.num_free_blocks == free
+    assert kv.allocate_slots("s", ids, 4) and kv.block_table("s") == table  # the same blocks, none new
+    with pytest.raises(ValueError, match="cannot count back"):
+        kv.uncount("s", 3)  # into the cached block
+    with pytest.raises(ValueError, match="cannot count back"):
+        kv.uncount("s", 10)  # past what was counted
+    kv.uncount("gone", 0)  # unknown: a no-op
+
+
 # ---------------------------------------------------------------------------------------- the engine
 
 PROMPTS = 64

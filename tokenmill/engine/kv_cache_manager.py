@@ -233,19 +233,29 @@ class KVCacheManager:
         seq.num_computed_tokens = total
         return True
 
+    def uncount(self, seq_id: str, num_tokens: int) -> None:
+        """Count the sequence's tokens back to ``num_tokens``, keeping every block and what was
+        written in them: a draft wrote the KV of tokens past them, which the step that verifies the
+        draft allocates again (the same blocks) and reuses. A no-op for an unknown sequence."""
+        self._count_back(seq_id, num_tokens, keep_blocks=True)
+
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Forget the sequence's tokens from ``num_tokens`` on (rejected draft tokens): its count
         goes back to ``num_tokens`` and the blocks past them return to the pool. Tokens already
         offered to the prefix cache cannot be dropped (cache_blocks runs after verification, so a
         rejected token never is). A no-op for an unknown (freed, aborted) sequence."""
+        self._count_back(seq_id, num_tokens, keep_blocks=False)
+
+    def _count_back(self, seq_id: str, num_tokens: int, keep_blocks: bool) -> None:
         seq = self._seqs.get(seq_id)
         if seq is None:
             return
         if not seq.num_cached_blocks * self.block_size <= num_tokens <= seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq_id!r}: cannot truncate to {num_tokens} tokens (computed "
-                             f"{seq.num_computed_tokens}, cached {seq.num_cached_blocks * self.block_size})")
+            raise ValueError(f"sequence {seq_id!r}: cannot {'count back' if keep_blocks else 'truncate'} to "
+                             f"{num_tokens} tokens (computed {seq.num_computed_tokens}, cached "
+                             f"{seq.num_cached_blocks * self.block_size})")
         keep = _cdiv(num_tokens, self.block_size)
-        if keep < len(seq.blocks):
+        if not keep_blocks and keep < len(seq.blocks):
             tail = seq.blocks[keep:]
             del seq.blocks[keep:]
             self.pool.free_blocks(reversed(tail))
@@ -431,6 +441,10 @@ class KVCacheCoordinator:
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         for g in self.groups:
             g.truncate(seq_id, num_tokens)
+
+    def uncount(self, seq_id: str, num_tokens: int) -> None:
+        for g in self.groups:
+            g.uncount(seq_id, num_tokens)
 
     def take_pending_copies(self) -> list[list[tuple[int, int]]]:
         return [g.take_pending_copies() for g in self.groups]

@@ -317,7 +317,12 @@ class LLMEngine:
         slots = self.lora.activate([s.seq.lora for s in scheduled if s.seq.lora is not None]) if self.lora else {}
         inputs = []
         for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
+            seq, start, j = item.seq, item.seq.num_computed_tokens, item.num_draft
+            if j and seq.draft_hidden is not None and seq.lora is None:
+                # the draft was the model itself: its last token and guesses but the last are computed
+                inputs.append(SequenceInput([seq.draft_token_ids[j - 1]], start + j, self.kv.block_table(seq.seq_id),
+                                            True, num_sample_rows=1 + j, hidden_before=seq.draft_hidden[:j]))
+                continue
             inputs.append(SequenceInput(seq.tokens_with_draft()[start:start + item.num_new_tokens], start,
                                         self.kv.block_table(seq.seq_id), item.completes,
                                         self._wants_prompt_logprobs(item), 1 + item.num_draft,

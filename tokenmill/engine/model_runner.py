@@ -66,6 +66,10 @@ class SequenceInput:
     each of its drafted tokens and samples after the last: 1 + drafts)."""
     lora_slot: int = -1
     """The slot of its LoRA adapter in the runner's ``lora_slots``; -1: the base model alone."""
+    hidden_before: torch.Tensor | None = None
+    """``[m, H]``: final hidden states of the m tokens just before ``token_ids`` (their KV in the
+    cache), computed earlier in the step (a draft that is the model itself); they come first among
+    the sample rows, as if recomputed."""
 
 
 @dataclass
@@ -124,7 +128,17 @@ class ModelRunner:
         hidden = self._forward(tokens, self._metadata(inputs), self._lora_batch(inputs, len(tokens)))
         rows = [i for i, item in enumerate(inputs) if item.samples]
         picked = [p for i in rows for p in range(starts[i + 1] - inputs[i].num_sample_rows, starts[i + 1])]
-        logits = self.model.compute_logits(hidden[picked])
+        if any(inputs[i].hidden_before is not None for i in rows):  # rows computed earlier go first
+            pieces = []
+            for i in rows:
+                item = inputs[i]
+                own = hidden[starts[i]:starts[i + 1]]
+                if item.hidden_before is not None:
+                    own = torch.cat([item.hidden_before.to(own.dtype), own])
+                pieces.append(own[len(own) - item.num_sample_rows:])
+            logits = self.model.compute_logits(torch.cat(pieces))
+        else:
+            logits = self.model.compute_logits(hidden[picked])
         full = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
                 for i, item in enumerate(inputs) if item.all_logits}
         return RunnerOutput(logits, rows, full, hidden if with_hidden else None)

@@ -85,6 +85,10 @@ class Sequence:
     draft_probs: torch.Tensor | None = None
     """``[>= len(draft_token_ids), V]``: the distributions the draft tokens were drawn from (rejection
     sampling), None for drafts chosen deterministically."""
+    draft_hidden: torch.Tensor | None = None
+    """``[len(draft_token_ids), H]``: the model's own final hidden states at the sequence's last token
+    and at each draft token but the last, with their KV written, computed while drafting by a draft
+    that is the model itself (spec/shortlist.py); verification reuses them. None otherwise."""
     all_token_ids: list[int] = field(init=False)
     """Prompt then output token ids; append-only."""
 

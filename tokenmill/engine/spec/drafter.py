@@ -91,7 +91,7 @@ class Drafter:
         decoding = sum(seq.num_tokens - seq.num_computed_tokens == 1 for seq in running)
         plain = self.config.speculative_adaptive and not self.realised.drafts(decoding)
         for seq in running:
-            seq.draft_token_ids, seq.draft_probs = [], None
+            seq.draft_token_ids, seq.draft_probs, seq.draft_hidden = [], None, None
             if plain or not self.eligible(seq):
                 continue
             room = max_model_len - seq.num_tokens  # drafted positions num_tokens .. must stay in the window
@@ -121,6 +121,7 @@ class Drafter:
                 self._drafting.add(seq.seq_id)  # the proposer may hold state for it now
                 seq.draft_token_ids = draft.token_ids[:n]
                 seq.draft_probs = draft.probs
+                seq.draft_hidden = draft.hidden[:n] if draft.hidden is not None else None
         self._draft_seconds = time.perf_counter() - start
 
     def _sizes(self, seqs: list[Sequence], caps: list[int], base_tokens: int, base_worth: int,

@@ -23,6 +23,10 @@ class Draft:
     """``[len(token_ids), V]`` float32: the distribution each token was drawn from (the draft model's,
     processed like the request's own sampling), for rejection sampling; None when the tokens were
     chosen deterministically (a point mass: n-gram lookup, greedy or seeded drafting)."""
+    hidden: torch.Tensor | None = None
+    """``[len(token_ids), H]``: the target's own final hidden states at the sequence's last token and
+    each drafted token but the last, their KV written in the target's cache (a draft that is the
+    target itself: spec/shortlist.py), for verification to reuse; None otherwise."""
 
 
 NO_DRAFT = Draft([])

@@ -8,9 +8,12 @@ itself). A guess is therefore the target's own greedy token whenever that token 
 the target's verification keeps every such guess; a draft costs the layers plus a small head.
 
 The draft computes what the target computes, so it needs no KV cache of its own and never catches
-up: it reads the target's cache, where the target holds every token it computed, and writes its
-guesses' keys and values into the target's slots just past them (allocated for the draft, then
-given back before the step is scheduled; the step's verification writes those positions again).
+up: it reads the target's cache, where the target holds every token it computed, and writes the
+keys and values of the sequence's last token and of its guesses into the sequence's own slots just
+past them. Verification reuses that work: the step runs the model's layers only over the last
+guess and its full head over the hidden states the draft computed (``Draft.hidden``), so a step
+drafting k tokens runs the layers k + 1 times, one row each, as k + 1 plain steps would, and the
+full head once over k + 1 rows instead of k + 1 times.
 
 The list: the model's stop tokens, then every token by its expected count in the model's own greedy
 answers to ``SHORTLIST_PROMPTS`` generic chat requests (``tokenmill.chat_requests``, training topics):
@@ -95,13 +98,30 @@ class ShortlistProposer(DraftModelProposer):
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
         self._room = {seq.seq_id: k for seq, k in zip(seqs, num_tokens)}
+        self._hidden: dict[str, list[torch.Tensor]] = {}
         try:
-            return super().propose(seqs, num_tokens)
-        finally:
+            drafts = super().propose(seqs, num_tokens)
+            for seq, draft in zip(seqs, drafts):
+                rows = self._hidden.get(seq.seq_id)
+                if draft.token_ids and rows and len(rows) >= len(draft.token_ids):
+                    draft.hidden = torch.cat(rows[:len(draft.token_ids)])
+            return drafts
+        finally:  # counted back, the blocks kept: the step's verification reuses what was written
             for seq_id, start in self._start.items():
-                self.kv.truncate(seq_id, start)
+                self.kv.uncount(seq_id, start)
             self._start.clear()
             self._fed.clear()
+            self._hidden = {}
+
+    def _run(self, seqs: list[Sequence], inputs: list[SequenceInput]) -> torch.Tensor:
+        """One pass -> the logits of each input's last token, keeping its final hidden state (the
+        model's own: verification reuses it)."""
+        out = self.runner.execute(inputs, with_hidden=True)
+        end = 0
+        for seq, item in zip(seqs, inputs):
+            end += len(item.token_ids)
+            self._hidden.setdefault(seq.seq_id, []).append(out.hidden[end - 1:end])
+        return out.sample_logits
 
     def _catch_up(self, seq: Sequence) -> SequenceInput | None:
         """Slots in the target's table for the tokens it has not computed (the last sampled one) and

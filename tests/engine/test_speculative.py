@@ -402,6 +402,10 @@ def test_the_step_cost_curve_follows_new_measurements():
     for _ in range(3):
         curve.observe(12, 0.050)
     assert curve(12) == 0.050 and curve(8) == pytest.approx(0.030)
+    grows = CostCurve(grows=True)  # a self-draft's passes: above the largest measured size, in proportion
+    for size, seconds in ((4, 0.010), (4, 0.010), (16, 0.030), (16, 0.030)):
+        grows.observe(size, seconds)
+    assert grows(64) == pytest.approx(0.120) and grows(8) == pytest.approx(0.01 + 0.02 * 4 / 12) and grows(2) == 0.010
 
 
 def _drive(gain, n: int, steps: int, plain_seconds: float, drafting: tuple[int, float, int]) -> list[bool]:

@@ -46,7 +46,7 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, draft: LoadedM
                              "target_cache")
         vocab = shortlist(model_ranking(target.model, target.tokenizer), config.draft_vocab_size)
         name = f"shortlist({len(vocab)})"
-        draft_cost = CostCurve()
+        draft_cost = CostCurve(grows=True)  # its passes are the model's layers: dearer with every sequence
         proposer = ShortlistProposer(shortlist_model(target.model, vocab), target_kv, target_cache, sampler,
                                      draft_cost.observe, name)
         logger.info("speculative decoding: %s, up to %d tokens a step, in the model's own KV cache", name,

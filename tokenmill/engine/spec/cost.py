@@ -5,7 +5,9 @@ batch) from the engine's own steps: the median of the recent measurements per si
 up to 16, then 2^(1/4) apart; a bucket counts from its second measurement), linear between
 measured buckets, flat outside them. Flat above the largest measured size is optimistic on
 purpose: a size never tried looks as cheap as the largest tried, so it is tried and measured
-(the first steps at 64 streams with drafts tell the truth).
+(the first steps at 64 streams with drafts tell the truth). ``grows=True`` extrapolates in
+proportion to the size instead, for costs that are known to grow so (a draft that is the model
+itself: its passes cost what the model's layers cost at that batch), and the probes measure them.
 
 :class:`Acceptance` estimates, per sequence, the probability that a draft position is kept, from
 its verifications, in two rates: the first drafted token's, and the next ones' once the token
@@ -38,7 +40,9 @@ def _bucket(size: int) -> int:
 
 
 class CostCurve:
-    def __init__(self) -> None:
+    def __init__(self, grows: bool = False) -> None:
+        self.grows = grows
+        """Above the largest measured size: in proportion to the size (else flat)."""
         self._recent: dict[int, list[float]] = {}
         """Bucket -> its last MEDIAN_OF measurements (seconds)."""
         self._sizes: dict[int, int] = {}
@@ -76,7 +80,7 @@ class CostCurve:
         if i == 0:
             return ys[0]
         if i == len(xs):
-            return ys[-1]
+            return ys[-1] * size / xs[-1] if self.grows else ys[-1]
         x0, y0, x1, y1 = xs[i - 1], ys[i - 1], xs[i], ys[i]
         return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
 

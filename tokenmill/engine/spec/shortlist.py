@@ -53,6 +53,8 @@ logger = logging.getLogger("tokenmill.engine")
 SHORTLIST_PROMPTS = 64
 """Chat prompts the model answers to rank its tokens."""
 SHORTLIST_ANSWER_TOKENS = 128
+SHORTLIST_BATCH = 16
+"""Prompts answered together (the throwaway KV cache holds this many answers at a time)."""
 RANKING = "expected-counts-1"
 """Names how the ranking is made: part of the cached file's key."""
 
@@ -223,7 +225,8 @@ def model_ranking(model: CausalLM, tokenizer: Tokenizer, cache_dir: Path | None 
         logger.info("shortlist: ranking the vocabulary by the model's answers to %d chat prompts (once; kept in "
                     "the cache directory)", len(prompts))
         expected = torch.zeros(vocab_size, dtype=torch.float64)
-        greedy_answers(model, prompts, SHORTLIST_ANSWER_TOKENS, stop, expected=expected)
+        for at in range(0, len(prompts), SHORTLIST_BATCH):
+            greedy_answers(model, prompts[at:at + SHORTLIST_BATCH], SHORTLIST_ANSWER_TOKENS, stop, expected=expected)
         return rank_tokens(expected, [t for t in stop if t < vocab_size])
 
     probe = tokenizer.encode("Shortlist: the tokens a model writes. 12345 ÄÖÜ 東京 🙂", add_special_tokens=False)

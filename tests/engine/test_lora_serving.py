@@ -139,3 +139,15 @@ def test_bfloat16_mixed_batch_runs_close_to_alone(model_dir):
     alone = [ids(llm.generate([p], GREEDY, lora=a))[0] for p, a in zip(PROMPTS, ADAPTERS)]
     assert together == alone
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_shortlist_speculation_with_adapters_gives_each_adapters_output(model_dir, tmp_path, monkeypatch):
+    """The shortlist draft is the base model: a sequence with an adapter drafts with the base, and its
+    verification recomputes the drafted positions with the adapter (the draft's hidden states are
+    the base model's, never reused for it). Every output is the adapter's, and nothing is held."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the vocabulary ranking's cache
+    reference = ids(make_llm(model_dir).generate(PROMPTS, GREEDY, lora=ADAPTERS))
+    spec = make_llm(model_dir, speculative={"method": "shortlist", "num_speculative_tokens": 3, "adaptive": False})
+    assert ids(spec.generate(PROMPTS, GREEDY, lora=ADAPTERS)) == reference
+    assert spec.engine.drafter.counters.num_draft_tokens > 0
+    assert spec.engine.num_used_blocks == 0

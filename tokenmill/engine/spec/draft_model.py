@@ -68,13 +68,19 @@ class DraftModelProposer:
         cfg = model.config
         groups, windows = layer_groups(cfg)
         weight = model.embed.weight
+        cache = PagedKVCache([num_blocks] * len(windows), block_size, groups, cfg.num_kv_heads, cfg.head_dim,
+                             weight.dtype, weight.device)
+        # prefix caching as the target's: a prompt the target serves from its cache is in the draft's too
+        kv = KVCacheCoordinator([KVCacheManager(num_blocks, block_size, True, w) for w in windows])
+        self._attach(model, kv, cache, sampler, observe, name)
+
+    def _attach(self, model: CausalLM, kv: KVCacheCoordinator, cache: PagedKVCache, sampler: Sampler,
+                observe: Callable[[int, float], None] | None, name: str) -> None:
+        """Run ``model`` over ``cache``, with ``kv``'s block tables."""
         self.name, self.model, self.sampler, self.observe = name, model, sampler, observe
         self.vocab = getattr(getattr(model, "lm_head", None), "vocab", None)
-        self.cache = PagedKVCache([num_blocks] * len(windows), block_size, groups, cfg.num_kv_heads, cfg.head_dim,
-                                  weight.dtype, weight.device)
-        # prefix caching as the target's: a prompt the target serves from its cache is in the draft's too
-        self.kv = KVCacheCoordinator([KVCacheManager(num_blocks, block_size, True, w) for w in windows])
-        self.runner = ModelRunner(model, self.cache, weight.device)
+        self.kv, self.cache = kv, cache
+        self.runner = ModelRunner(model, cache, model.embed.weight.device)
         self.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=sampler.generator)))
         self._fed: dict[str, _Fed] = {}
 

@@ -82,15 +82,13 @@ class ShortlistProposer(DraftModelProposer):
     def __init__(self, model: CausalLM, kv: KVCacheCoordinator, cache: PagedKVCache, sampler: Sampler,
                  observe=None, name: str = "shortlist") -> None:
         """``kv``, ``cache``: the target's block tables and KV cache; ``model``: shortlist_model's view."""
-        weight = model.embed.weight
-        self.name, self.model, self.sampler, self.observe = name, model, sampler, observe
-        self.vocab = model.lm_head.vocab
-        self.kv, self.cache = kv, cache
-        self.runner = ModelRunner(model, cache, weight.device)
-        self.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=sampler.generator)))
-        self._fed = {}
+        self._attach(model, kv, cache, sampler, observe, name)
         self._start: dict[str, int] = {}
         """seq_id -> the target's computed tokens when its draft began (given back to that afterwards)."""
+        self._room: dict[str, int] = {}
+        """seq_id -> the tokens it drafts this step."""
+        self._hidden: dict[str, list[torch.Tensor]] = {}
+        """seq_id -> the final hidden state of each of this step's passes over it."""
 
     num_used_blocks = 0
     """It holds no block between steps."""
@@ -100,7 +98,6 @@ class ShortlistProposer(DraftModelProposer):
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
         self._room = {seq.seq_id: k for seq, k in zip(seqs, num_tokens)}
-        self._hidden: dict[str, list[torch.Tensor]] = {}
         try:
             drafts = super().propose(seqs, num_tokens)
             for seq, draft in zip(seqs, drafts):
@@ -113,7 +110,7 @@ class ShortlistProposer(DraftModelProposer):
                 self.kv.uncount(seq_id, start)
             self._start.clear()
             self._fed.clear()
-            self._hidden = {}
+            self._hidden.clear()
 
     def _run(self, seqs: list[Sequence], inputs: list[SequenceInput]) -> torch.Tensor:
         """One pass -> the logits of each input's last token, keeping its final hidden state (the

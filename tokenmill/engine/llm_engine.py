@@ -333,11 +333,12 @@ class LLMEngine:
             self.drafter.observe_hidden(scheduled, result.hidden)
         for i in result.all_logits:
             self._add_prompt_logprobs(scheduled[i], result.all_logits[i])
-        plain_rows, completing, verifying, row = [], [], [], 0
+        plain_rows, completing, verifying, verify_rows, row = [], [], [], [], 0
         for i in result.sample_rows:
             item = scheduled[i]
             if item.num_draft:
-                verifying.append((item, result.sample_logits[row:row + 1 + item.num_draft]))
+                verifying.append(item)
+                verify_rows.extend(range(row, row + 1 + item.num_draft))
             else:
                 plain_rows.append(row)
                 completing.append(item)
@@ -346,9 +347,7 @@ class LLMEngine:
             if not item.num_draft:  # a drafting sequence counts what verification keeps (_verify)
                 item.seq.num_computed_tokens += item.num_new_tokens
                 self.kv.cache_blocks(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens)
-        logits = result.sample_logits
-        if len(plain_rows) != logits.shape[0]:
-            logits = logits[plain_rows]
+        logits = _rows(result.sample_logits, plain_rows)
         rows, seqs = self._with_forked_samples(completing, logits)
         samples = self.sampler(rows, [s.sampling for s in seqs])
         now = time.monotonic()
@@ -358,16 +357,16 @@ class LLMEngine:
             self._append(seq, sample)
             changed[request.request_id] = request
         if verifying:
-            self._verify(verifying, changed)
+            self._verify(verifying, _rows(result.sample_logits, verify_rows), changed)
 
-    def _verify(self, verifying: list[tuple[ScheduledSequence, torch.Tensor]], changed: dict[str, Request]) -> None:
-        """The drafting sequences' rows, verified together (spec/verify.py): each keeps its draft up to
-        the first token the target refuses, then one more. The KV of the refused tokens is dropped
-        (truncate) before any block of the kept ones is offered to the prefix cache."""
-        drafts = [(item.seq.sampling, item.seq.draft_token_ids, item.seq.draft_probs) for item, _ in verifying]
-        logits = torch.cat([rows for _, rows in verifying]) if len(verifying) > 1 else verifying[0][1]
+    def _verify(self, verifying: list[ScheduledSequence], logits: torch.Tensor, changed: dict[str, Request]) -> None:
+        """The drafting sequences' rows (``logits``, theirs in order), verified together
+        (spec/verify.py): each keeps its draft up to the first token the target refuses, then one
+        more. The KV of the refused tokens is dropped (truncate) before any block of the kept ones is
+        offered to the prefix cache."""
+        drafts = [(item.seq.sampling, item.seq.draft_token_ids, item.seq.draft_probs) for item in verifying]
         now = time.monotonic()
-        for (item, _), (_, draft, _), outcome in zip(verifying, drafts, verify(self.sampler, logits, drafts)):
+        for item, (_, draft, _), outcome in zip(verifying, drafts, verify(self.sampler, logits, drafts)):
             seq, kept = item.seq, outcome.num_accepted
             seq.draft_token_ids, seq.draft_probs = [], None
             self.drafter.accepted(item, len(draft), kept)
@@ -469,3 +468,11 @@ def _sample_delta(seq: Sequence) -> SampleDelta | None:
                         seq.stop_reason)
     seq.num_sent_tokens, seq.num_sent_chars, seq.finish_sent = num_tokens, num_chars, finished
     return delta
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits``' rows ``rows``: a view where they are a run in order (every row, or every drafting
+    sequence's), else one copy (Gemma 3's rows are 1 MB each: a 64-stream verification's are 300 MB)."""
+    if not rows or rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0]:rows[0] + len(rows)] if rows else logits[:0]
+    return logits.index_select(0, torch.tensor(rows, device=logits.device))

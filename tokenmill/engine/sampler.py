@@ -129,9 +129,11 @@ class Sampler:
                 _put_rows(scores.clone() if scores is raw else scores, random, filtered)
         return raw, scores
 
-    def results(self, raw: torch.Tensor, token_ids: list[int], states: Sequence[SamplingState]) -> list[SampleResult]:
-        """SampleResults of chosen tokens, with the logprobs the rows asked for (of ``raw``)."""
-        return _results(raw, token_ids, states)
+    def results(self, raw: torch.Tensor, token_ids: list[int], states: Sequence[SamplingState],
+                rows: list[int] | None = None) -> list[SampleResult]:
+        """SampleResults of chosen tokens, with the logprobs the rows asked for (of ``raw``; result i of
+        ``raw``'s row ``rows[i]``, without a copy of those rows: a verification's logits are many)."""
+        return _results(raw, token_ids, states, rows)
 
     def uniforms(self, states: Sequence[SamplingState], stream: int = 0) -> list[float]:
         """One uniform in [0, 1) per row: seeded rows from (seed, position, ``stream``), the others
@@ -158,13 +160,13 @@ class Sampler:
     def _choose(self, scores: torch.Tensor, states: Sequence[SamplingState]) -> list[int]:
         greedy = [i for i, s in enumerate(states) if s.greedy]
         if len(greedy) == len(states):
-            return _argmax(scores).tolist()
+            return argmax_rows(scores).tolist()
         random = [i for i, s in enumerate(states) if not s.greedy]
         sampled = self._sample(_take_rows(scores, random), [states[i] for i in random])
         if not greedy:
             return sampled.tolist()
         token_ids = torch.empty(len(states), dtype=torch.long, device=scores.device)
-        token_ids[greedy] = _argmax(_take_rows(scores, greedy))
+        token_ids[greedy] = argmax_rows(_take_rows(scores, greedy))
         token_ids[random] = sampled
         return token_ids.tolist()
 
@@ -208,7 +210,7 @@ def seeded_uniform(seed: int, position: int, stream: int = 0) -> float:
     return (x >> 11) * (1.0 / (1 << 53))
 
 
-def _argmax(scores: torch.Tensor) -> torch.Tensor:
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """``scores.argmax(-1)``: for float32 CPU logits by the C++ kernel (torch.argmax took 0.3-0.5 ms
     a row of 49k logits on our 2-core hosts), else by PyTorch. The same index either way."""
     ops = dispatch.for_tensors(scores) if scores.dtype == torch.float32 and scores.dim() == 2 else None
@@ -241,14 +243,16 @@ def _penalize_rows(scores: torch.Tensor, rows: list[int], states: Sequence[Sampl
     _put_rows(scores, rows, sub)
 
 
-def _results(raw: torch.Tensor, token_ids: list[int], states: Sequence[SamplingState]) -> list[SampleResult]:
-    """SampleResults with logprobs of the raw distribution for the rows that asked for them."""
+def _results(raw: torch.Tensor, token_ids: list[int], states: Sequence[SamplingState],
+             rows: list[int] | None = None) -> list[SampleResult]:
+    """SampleResults with logprobs of the raw distribution for the rows that asked for them (result i
+    of ``raw``'s row ``rows[i]``, or row i)."""
     results = [SampleResult(t) for t in token_ids]
     asking = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     if not asking:
         return results
     top_n = max(states[i].params.logprobs or 0 for i in asking)
-    logprobs = _take_rows(raw, asking).log_softmax(-1)
+    logprobs = _take_rows(raw, asking if rows is None else [rows[i] for i in asking]).log_softmax(-1)
     chosen = logprobs.gather(1, torch.tensor([token_ids[i] for i in asking], device=raw.device).unsqueeze(1))
     top_values, top_ids = logprobs.topk(top_n, dim=-1)
     for i, lp, values, ids in zip(asking, chosen.squeeze(1).tolist(), top_values.tolist(), top_ids.tolist()):

@@ -23,8 +23,9 @@ the estimates say: a rate or a cost measured on a bad moment is measured again, 
 one cheap draft token per sequence every ``PROBE_EVERY`` steps. Last, the realised check
 (gain.py): per decoding-batch size, drafting steps are measured against plain steps at the same
 size (which run without the proposer), and where drafting does worse, whatever the model
-predicted, steps run plain, with a drafting probe now and then. Without ``speculative_adaptive``
-every step drafts.
+predicted, steps run plain, with a drafting probe now and then (in which every eligible sequence
+drafts at least one token: the estimates above learn nothing while nothing is drafted). Without
+``speculative_adaptive`` every step drafts.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Drafter:
         seqs, caps = [], []
         decoding = sum(seq.num_tokens - seq.num_computed_tokens == 1 for seq in running)
         plain = self.config.speculative_adaptive and not self.realised.drafts(decoding)
+        probe = self.config.speculative_adaptive and self.realised.probing(decoding)
         for seq in running:
             seq.draft_token_ids, seq.draft_probs, seq.draft_hidden = [], None, None
             if plain or not self.eligible(seq):
@@ -103,8 +105,8 @@ class Drafter:
                 seqs.append(seq)
                 caps.append(cap)
         start = time.perf_counter()
-        if seqs and self.proposer.cheap and not any(self._sizes(seqs, caps, min(decoding, budget), decoding,
-                                                                relax=False)):
+        if seqs and self.proposer.cheap and not probe and not any(self._sizes(seqs, caps, min(decoding, budget),
+                                                                              decoding, relax=False)):
             seqs = []  # no draft of any length would pay: a plain step, without the lookups
         self._proposed = bool(seqs)
         if not seqs:
@@ -112,9 +114,14 @@ class Drafter:
             return
         if self.proposer.cheap:  # look up first, then size what was found
             drafts = self.proposer.propose(seqs, caps)
-            sizes = self._sizes(seqs, [len(d.token_ids) for d in drafts], min(decoding, budget), decoding)
+            found = [len(d.token_ids) for d in drafts]
+            sizes = self._sizes(seqs, found, min(decoding, budget), decoding)
+            if probe:  # the realised check's probe: a draft it can measure, whatever the estimates say
+                sizes = [max(n, min(1, f)) for n, f in zip(sizes, found)]
         else:  # size first: the model drafts only what will be verified
             sizes = self._sizes(seqs, caps, min(decoding, budget), decoding)
+            if probe:
+                sizes = [max(n, min(1, c)) for n, c in zip(sizes, caps)]
             drafts = self.proposer.propose(seqs, sizes)
         for seq, draft, n in zip(seqs, drafts, sizes):
             if n > 0:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.logits_processors import sample
-from tokenmill.engine.sampler import Sampler, SampleResult, SamplingState
+from tokenmill.engine.sampler import Sampler, SampleResult, SamplingState, argmax_rows
 
 
 @dataclass(slots=True)
@@ -66,14 +66,14 @@ def verify(sampler: Sampler, logits: torch.Tensor,
         tokens_of.append(draft[:n] + [token])
         used.extend(range(row, row + n + 1))
     flat = [t for tokens in tokens_of for t in tokens]
-    samples = iter(sampler.results(raw[used], flat, [states[r] for r in used]))
+    samples = iter(sampler.results(raw, flat, [states[r] for r in used], used))
     return [Verification([next(samples) for _ in tokens], len(tokens) - 1) for tokens in tokens_of]
 
 
 def _own_tokens(sampler: Sampler, scores: torch.Tensor, states: list[SamplingState]) -> list[int]:
     """Each row's token as plain decoding picks it: argmax for greedy rows, the draw with the row's
     (stream 0) uniform for random ones."""
-    tokens = scores.argmax(-1)
+    tokens = argmax_rows(scores)
     random = [i for i, s in enumerate(states) if not s.greedy]
     if random:
         index = torch.tensor(random, device=scores.device)

@@ -1,5 +1,5 @@
 """The int8 copy of grouped codes (int8_copy_linear.cpp, grouped.int8_copy_pack): x in two int8 parts
-per row and group, integer products on AVX-512 VNNI. Against a float64 reference of the same
+per row and group (or one), integer products on AVX-512 VNNI. Against a float64 reference of the same
 quantized x, the vector path against the portable one bit for bit, batch invariance, the
 symmetric layout, bias and float32 outputs, bad arguments."""
 
@@ -27,10 +27,10 @@ def _weight(n: int, k: int, gs: int, bits: int, offset: int | None, seed: int) -
     return GroupedWeight(codes, scale, mins, gs, bits)
 
 
-def _reference(x: torch.Tensor, w: GroupedWeight) -> torch.Tensor:
+def _reference(x: torch.Tensor, w: GroupedWeight, one_part: bool = False) -> torch.Tensor:
     """float64 products of the weights and x as the kernel quantizes it: per row and group of
     group_size, dx = max |x| / 127, t = x / dx, h = t and l = (t - h) 256 rounded to nearest even,
-    x = dx (h + l / 256)."""
+    x = dx (h + l / 256); with one part x = dx h."""
     m, k = x.shape
     xg = x.float().view(m, k // w.group_size, w.group_size)
     amax = xg.abs().amax(-1, keepdim=True)
@@ -38,7 +38,7 @@ def _reference(x: torch.Tensor, w: GroupedWeight) -> torch.Tensor:
     inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     t = xg * inv
     h = torch.round(t)
-    low = torch.round((t - h) * 256).clamp(-127, 127)
+    low = torch.round((t - h) * 256).clamp(-127, 127) * (0 if one_part else 1)
     parts = h.clamp(-127, 127).double() + low.double() / 256
     return (parts * (amax.double() / 127)).view(m, k) @ w.dequantize().double().T
 
@@ -50,25 +50,28 @@ CASES = [  # n, k, group size, bits, symmetric offset (None: mins)
 
 @pytest.mark.parametrize("n,k,gs,bits,offset", CASES)
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 130])  # one block, uneven blocks, two panels of rows
-def test_int8_copy_matches_the_reference_of_its_quantized_x(n, k, gs, bits, offset, m) -> None:
+@pytest.mark.parametrize("one_part", [False, True])
+def test_int8_copy_matches_the_reference_of_its_quantized_x(n, k, gs, bits, offset, m, one_part) -> None:
     w = _weight(n, k, gs, bits, offset, seed=n * m)
     copy, got_offset = int8_copy_pack(w)
     assert got_offset == (-1 if offset is None else offset)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        ref = _reference(xd.float(), w)
-        out = ops.int8_copy_linear(xd, copy, n, gs, got_offset, NONE)
+        ref = _reference(xd.float(), w, one_part)
+        out = ops.int8_copy_linear(xd, copy, n, gs, got_offset, NONE, one_part=one_part)
         assert out.dtype == dtype and out.shape == (m, n)
         err = (out.double() - ref).abs()
         # float32 sums of exact integer dot products (relative ~1e-6), then bfloat16's half ulp
         bound = 1e-5 * ref.abs().max() + (ref.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
         assert bool((err <= bound).all()), err.max().item()
     # x in two parts is closer to x than bfloat16 is: the products are nearer the exact ones than
-    # those of x rounded to bfloat16 (the bfloat16 copy's)
+    # those of x rounded to bfloat16 (the bfloat16 copy's); one part is further (llama.cpp's Q8
+    # activations: a step of max |x| / 127 where bfloat16 rounds each value to 2^-8 of itself)
     exact = x.double() @ w.dequantize().double().T
-    rounded = x.bfloat16().double() @ w.dequantize().double().T
-    assert (_reference(x, w) - exact).abs().max() < 0.5 * (rounded - exact).abs().max()
+    rounded = (x.bfloat16().double() @ w.dequantize().double().T - exact).abs().max()
+    assert (_reference(x, w) - exact).abs().max() < 0.5 * rounded
+    assert rounded < (_reference(x, w, one_part=True) - exact).abs().max() < 8 * rounded
 
 
 @needs_vnni
@@ -78,9 +81,11 @@ def test_int8_copy_vector_path_equals_the_portable_one(n, k, gs, bits, offset) -
     copy, off = int8_copy_pack(w)
     for m in (1, 3, 12, 16, 29):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-        fast = ops.int8_copy_linear(x, copy, n, gs, off, NONE)
-        portable = ops.int8_copy_linear(x, copy, n, gs, off, NONE, path=ops.KernelPath.PORTABLE)
-        assert torch.equal(fast, portable)
+        for one_part in (False, True):
+            fast = ops.int8_copy_linear(x, copy, n, gs, off, NONE, one_part=one_part)
+            portable = ops.int8_copy_linear(x, copy, n, gs, off, NONE, one_part=one_part,
+                                            path=ops.KernelPath.PORTABLE)
+            assert torch.equal(fast, portable)
 
 
 def test_a_rows_result_does_not_depend_on_the_batch() -> None:

@@ -340,6 +340,32 @@ def test_bf16_copies_by_default_only_where_they_are_small(every_type_gguf: Path)
     assert default.lm_head.cpu_kernel_spec().int8_copy is not None or not OPS.int8_copy_linear_fast()
 
 
+@pytest.mark.skipif(not OPS.int8_copy_linear_fast(), reason="int8 copies need AVX-512 VNNI")
+def test_the_8bit_head_takes_x_in_one_int8_part_from_the_copy_rows_to_63(every_type_gguf: Path) -> None:
+    """head_int8_activations (default): the LM head's bfloat16 calls below its bfloat16 copy's rows take
+    the int8 copy with x in two parts, from there up to ONE_PART_BELOW - 1 rows in one part, and
+    from ONE_PART_BELOW the bfloat16 copy; no other layer changes; off, the copy takes them all."""
+    from tokenmill import LLM
+    from tokenmill.quantization.grouped import ONE_PART_BELOW
+
+    default = LLM(str(every_type_gguf), device="cpu").engine.runner.model
+    head = default.lm_head
+    copy, offset = head._int8_copy
+    bf16, rows = head._bf16_copy
+    assert isinstance(head, GroupedLinear) and rows == 12 and head._one_part_below == ONE_PART_BELOW
+    assert all(m._one_part_below == 0 for m in default.modules() if isinstance(m, GroupedLinear) and m is not head)
+    none = torch.empty(0)
+    for m, path in ((rows - 1, "two"), (rows, "one"), (ONE_PART_BELOW - 1, "one"), (ONE_PART_BELOW, "bf16")):
+        x = torch.randn(m, head.in_features, generator=torch.Generator().manual_seed(m)).bfloat16()
+        want = (OPS.bf16_packed_linear(x, bf16, head.out_features, none) if path == "bf16" else
+                OPS.int8_copy_linear(x, copy, head.out_features, head.group_size, offset, none,
+                                     one_part=path == "one"))
+        assert torch.equal(head(x), want), (m, path)
+    off = LLM(str(every_type_gguf), device="cpu", head_int8_activations=False).engine.runner.model.lm_head
+    x = torch.randn(rows, head.in_features).bfloat16()
+    assert torch.equal(off(x), OPS.bf16_packed_linear(x, off._bf16_copy[0], head.out_features, none))
+
+
 def test_tiny_gguf_of_every_type_matches_its_dequantized_model(every_type_gguf: Path) -> None:
     ids = list(range(3, 250, 7))
     ref = load_float_model(source(every_type_gguf), torch.float32).model

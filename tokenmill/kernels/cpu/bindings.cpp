@@ -65,11 +65,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether int8_copy_linear has its AVX-512 VNNI path (else it runs plain loops)");
   m.def("int8_copy_linear", &int8_copy_linear,
         "grouped codes' int8 copy (int8_copy_pack; offset: its symmetric code offset, or -1 where it holds mins) times x "
-        "in two int8 parts per row and group of group_size, "
+        "in two int8 parts per row and group of group_size (one_part: one), "
         "any number of rows (CPU)",
         py::arg("x"), py::arg("copy"), py::arg("out_features"), py::arg("group_size"), py::arg("offset"),
         py::arg("bias"),
-        py::kw_only(), py::arg("out_float32") = false, path);
+        py::kw_only(), py::arg("out_float32") = false, py::arg("one_part") = false, path);
   m.def("bf16_linear_fast", &bf16_linear_fast, "whether bf16_packed_linear can run here (AVX-512 BF16)");
   m.def("bf16_pack", &bf16_pack, "pack a bfloat16 [N, K] weight for bf16_packed_linear", py::arg("weight"));
   m.def("bf16_packed_linear", &bf16_packed_linear, "bfloat16 linear over a packed weight, any number of rows (CPU)",

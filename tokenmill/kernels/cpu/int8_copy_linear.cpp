@@ -24,6 +24,11 @@
 // -o S in it), S = 256 sum h + sum l:
 //   out[m, n] = sum_g (dx / 256) (scale A + min S)        (symmetric: scale (A - o S))
 //
+// One part (one_part): x = dx h alone, llama.cpp's Q8 activations: half the vpdpbusd, for calls of
+// many rows, where the products are the cost (an LM head of 16-512 rows: the bfloat16 copy's
+// vdpbf16ps does as many multiply-adds an instruction as the two parts, over twice the bytes). The
+// same h, sums and fold with l = 0: A = 256 sum code h, S = 256 sum h.
+//
 // Schedule: tiles in parallel; per tile, rows in blocks of up to 8 (as even as they come), per group
 // the block's two int32 sums per row in registers (one broadcast of 4 bytes of x's part per
 // vpdpbusd), folded into float32 results at the group's end (shift, add, cvt, mul, fma per row;
@@ -148,6 +153,7 @@ struct Args {
   const float* bias;  // float32 [N] or nullptr
   int64_t M, K, N, G, gs, block;  // block: bytes per (tile, group)
   int32_t offset;                 // symmetric copy: w = (code - offset) scale, no mins; -1: mins
+  bool one_part;                  // x's h part alone (l taken as 0)
 };
 
 inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
@@ -173,15 +179,16 @@ void tile_portable(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, boo
         if (a.offset < 0) std::memcpy(&mn, blk + 16 * a.gs + 64 + 4 * r, 4);
         const int64_t mg = m * a.G + g;
         int32_t ah = a.offset < 0 ? 0 : -a.offset * a.sh[mg];
-        int32_t al = a.offset < 0 ? 0 : -a.offset * a.sl[mg];
+        const int32_t sl = a.one_part ? 0 : a.sl[mg];
+        int32_t al = a.offset < 0 ? 0 : -a.offset * sl;
         for (int64_t k = 0; k < a.gs; ++k) {
           const int32_t c = blk[64 * (k / 4) + 4 * r + k % 4];
           ah += c * a.h[m * a.K + g * a.gs + k];
-          al += c * a.l[m * a.K + g * a.gs + k];
+          if (!a.one_part) al += c * a.l[m * a.K + g * a.gs + k];
         }
         const float d = a.d[mg];
         res = std::fma(static_cast<float>(ah * 256 + al), scale * d, res);
-        if (a.offset < 0) res = std::fma(mn, d * static_cast<float>(a.sh[mg] * 256 + a.sl[mg]), res);
+        if (a.offset < 0) res = std::fma(mn, d * static_cast<float>(a.sh[mg] * 256 + sl), res);
       }
       if (a.bias) res += a.bias[16 * t + r];
       put(out + m * a.N + 16 * t + r, bf16_round ? round_bf16(res) : res);
@@ -202,8 +209,9 @@ inline void store_row(O* p, __m512 v, __mmask16 live, bool bf16_round) {
   }
 }
 
-// Rows m0 .. m0 + R of tile t: per group, 2 R int32 sums of C = gs / 4 vpdpbusd each, then the fold.
-template <int R, int C, bool Sym, typename O>
+// Rows m0 .. m0 + R of tile t: per group, 2 R int32 sums (R with one part) of C = gs / 4 vpdpbusd
+// each, then the fold.
+template <int R, int C, bool Sym, bool Two, typename O>
 inline void tile_block(const Args& a, int64_t t, int64_t m0, O* out, bool bf16_round) {
   __m512 res[R];
   for (int r = 0; r < R; ++r) res[r] = _mm512_setzero_ps();
@@ -219,27 +227,29 @@ inline void tile_block(const Args& a, int64_t t, int64_t m0, O* out, bool bf16_r
     for (int r = 0; r < R; ++r) {
       const int64_t mg = (m0 + r) * a.G + g;
       ah[r] = Sym ? _mm512_set1_epi32(-a.offset * a.sh[mg]) : _mm512_setzero_si512();
-      al[r] = Sym ? _mm512_set1_epi32(-a.offset * a.sl[mg]) : _mm512_setzero_si512();
+      if constexpr (Two) al[r] = Sym ? _mm512_set1_epi32(-a.offset * a.sl[mg]) : _mm512_setzero_si512();
     }
     const int64_t x0 = g * C;
     for (int c = 0; c < C; ++c) {
       const __m512i w = _mm512_load_si512(reinterpret_cast<const __m512i*>(blk + 64 * c));
       for (int r = 0; r < R; ++r) {
         ah[r] = _mm512_dpbusd_epi32(ah[r], w, _mm512_set1_epi32(xh[r][x0 + c]));
-        al[r] = _mm512_dpbusd_epi32(al[r], w, _mm512_set1_epi32(xl[r][x0 + c]));
+        if constexpr (Two) al[r] = _mm512_dpbusd_epi32(al[r], w, _mm512_set1_epi32(xl[r][x0 + c]));
       }
     }
     const __m512 scale = _mm512_load_ps(reinterpret_cast<const float*>(blk + 64 * C));
     for (int r = 0; r < R; ++r) {
-      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(ah[r], 8), al[r]);
-      const float d = a.d[(m0 + r) * a.G + g];
+      // one part: 256 sum code h as (sum code h) times 256 d, exactly (a power of two)
+      const __m512i sum = Two ? _mm512_add_epi32(_mm512_slli_epi32(ah[r], 8), al[r]) : ah[r];
+      const float d = a.d[(m0 + r) * a.G + g] * (Two ? 1.f : 256.f);
       res[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(d)), res[r]);
     }
     if constexpr (!Sym) {
       const __m512 mn = _mm512_load_ps(reinterpret_cast<const float*>(blk + 64 * C + 64));
       for (int r = 0; r < R; ++r) {
         const int64_t mg = (m0 + r) * a.G + g;
-        res[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.d[mg] * static_cast<float>(a.sh[mg] * 256 + a.sl[mg])), res[r]);
+        res[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.d[mg] * static_cast<float>(a.sh[mg] * 256 + (Two ? a.sl[mg] : 0))),
+                                 res[r]);
       }
     }
   }
@@ -250,23 +260,37 @@ inline void tile_block(const Args& a, int64_t t, int64_t m0, O* out, bool bf16_r
     store_row(out + (m0 + r) * a.N + 16 * t, a.bias ? _mm512_add_ps(res[r], b) : res[r], live, bf16_round);
 }
 
-template <int C, bool Sym, typename O, int R = kMaxBlock>
+template <int C, bool Sym, bool Two, typename O, int R = kMaxBlock>
 inline void block_of(int rows, const Args& a, int64_t t, int64_t m0, O* out, bool bf16_round) {
   if constexpr (R > 1) {
-    if (rows < R) return block_of<C, Sym, O, R - 1>(rows, a, t, m0, out, bf16_round);
+    if (rows < R) return block_of<C, Sym, Two, O, R - 1>(rows, a, t, m0, out, bf16_round);
   }
-  tile_block<R, C, Sym>(a, t, m0, out, bf16_round);
+  tile_block<R, C, Sym, Two>(a, t, m0, out, bf16_round);
 }
 
-template <int C, bool Sym, typename O>
+template <int C, bool Sym, bool Two, typename O>
 void tile_vector(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, bool bf16_round) {
   const int64_t blocks = (m1 - m0 + kMaxBlock - 1) / kMaxBlock;
   int64_t m = m0;
   for (int64_t b = 0; b < blocks; ++b) {  // as even as they come
     const int rows = static_cast<int>((m1 - m + (blocks - b) - 1) / (blocks - b));
-    block_of<C, Sym>(rows, a, t, m, out, bf16_round);
+    block_of<C, Sym, Two>(rows, a, t, m, out, bf16_round);
     m += rows;
   }
+}
+template <int C, typename O>
+void tile_dispatch_c(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, bool bf16_round) {
+  if (a.offset < 0)
+    a.one_part ? tile_vector<C, false, false>(a, t, m0, m1, out, bf16_round)
+               : tile_vector<C, false, true>(a, t, m0, m1, out, bf16_round);
+  else
+    a.one_part ? tile_vector<C, true, false>(a, t, m0, m1, out, bf16_round)
+               : tile_vector<C, true, true>(a, t, m0, m1, out, bf16_round);
+}
+
+template <typename O>
+void tile_dispatch(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, bool bf16_round) {
+  a.gs == 32 ? tile_dispatch_c<8>(a, t, m0, m1, out, bf16_round) : tile_dispatch_c<4>(a, t, m0, m1, out, bf16_round);
 }
 #else
 constexpr bool kFast = false;
@@ -280,14 +304,8 @@ void run(const Args& a, O* out, bool bf16_round, bool generic) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        if (!generic && a.gs == 32) {
-          a.offset < 0 ? tile_vector<8, false>(a, t, p0, p1, out, bf16_round)
-                       : tile_vector<8, true>(a, t, p0, p1, out, bf16_round);
-          continue;
-        }
-        if (!generic && a.gs == 16) {
-          a.offset < 0 ? tile_vector<4, false>(a, t, p0, p1, out, bf16_round)
-                       : tile_vector<4, true>(a, t, p0, p1, out, bf16_round);
+        if (!generic && (a.gs == 32 || a.gs == 16)) {
+          tile_dispatch(a, t, p0, p1, out, bf16_round);
           continue;
         }
 #endif
@@ -302,7 +320,7 @@ void run(const Args& a, O* out, bool bf16_round, bool generic) {
 bool int8_copy_linear_fast() { return kFast; }
 
 at::Tensor int8_copy_linear(at::Tensor x, at::Tensor copy, int64_t N, int64_t group_size, int64_t offset,
-                            at::Tensor bias, bool out_float32, KernelPath path) {
+                            at::Tensor bias, bool out_float32, bool one_part, KernelPath path) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "int8_copy_linear: x must be float32 or bfloat16 [M, K]");
   TORCH_CHECK(copy.dim() == 3 && copy.scalar_type() == at::kByte && copy.is_contiguous(),
@@ -325,7 +343,7 @@ at::Tensor int8_copy_linear(at::Tensor x, at::Tensor copy, int64_t N, int64_t gr
   const Args a{q.h.data_ptr<int8_t>(),   q.l.data_ptr<int8_t>(),   q.d.data_ptr<float>(),
                q.sh.data_ptr<int32_t>(), q.sl.data_ptr<int32_t>(), copy.data_ptr<uint8_t>(),
                b.defined() ? b.data_ptr<float>() : nullptr, M, K, N, copy.size(1), gs, copy.size(2),
-               static_cast<int32_t>(offset)};
+               static_cast<int32_t>(offset), one_part};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (out_float32 || !bf16) {
     auto out = at::empty({M, N}, x.options().dtype(at::kFloat));

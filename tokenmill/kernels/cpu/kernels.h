@@ -99,10 +99,12 @@ at::Tensor grouped_codes_linear(const at::Tensor& x, const at::Tensor& packed, c
 // float32 scales, and mins unless offset >= 0 (w = (code - offset) scale): tokenmill.quantization.
 // grouped.int8_copy_pack) times x in two int8 parts per row and group, on vpdpbusd (AVX-512 VNNI).
 // out_float32 with bfloat16 x: the outputs rounded to bfloat16, stored as float32; float32 x gives
-// float32 outputs, unrounded.
+// float32 outputs, unrounded. one_part: x in one int8 part (llama.cpp's Q8 activations), half the
+// products, for calls of many rows.
 bool int8_copy_linear_fast();
 at::Tensor int8_copy_linear(at::Tensor x, at::Tensor copy, int64_t N, int64_t group_size, int64_t offset,
-                            at::Tensor bias, bool out_float32 = false, KernelPath path = KernelPath::Fastest);
+                            at::Tensor bias, bool out_float32 = false, bool one_part = false,
+                            KernelPath path = KernelPath::Fastest);
 
 // bf16_linear.cpp
 bool bf16_linear_fast();

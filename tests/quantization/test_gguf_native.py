@@ -366,6 +366,19 @@ def test_the_8bit_head_takes_x_in_one_int8_part_from_the_copy_rows_to_63(every_t
     assert torch.equal(off(x), OPS.bf16_packed_linear(x, off._bf16_copy[0], head.out_features, none))
 
 
+@pytest.mark.skipif(not OPS.int8_copy_linear_fast(), reason="int8 copies need AVX-512 VNNI")
+def test_kernel_rows_picks_the_heads_kernel_as_for_that_many_rows(every_type_gguf: Path) -> None:
+    """A speculative step's 20 rows of 4 sequences (kernel_rows=4) get, row for row, the bits that 4-row
+    plain steps give them (the two-part int8 copy), not the 20-row call's kernel (one part)."""
+    from tokenmill import LLM
+
+    head = LLM(str(every_type_gguf), device="cpu").engine.runner.model.lm_head
+    x = torch.randn(20, head.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    as_plain = torch.cat([head.forward_float32(x[i:i + 4]) for i in range(0, 20, 4)])
+    assert torch.equal(head.forward_float32(x, kernel_rows=4), as_plain)
+    assert not torch.equal(head.forward_float32(x), as_plain)  # 20 rows alone: one part
+
+
 def test_tiny_gguf_of_every_type_matches_its_dequantized_model(every_type_gguf: Path) -> None:
     ids = list(range(3, 250, 7))
     ref = load_float_model(source(every_type_gguf), torch.float32).model

@@ -102,8 +102,10 @@ class CausalLM(nn.Module):
 
         return FusedDecoder.cached(self, kv_cache, self._fused)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, kernel_rows: int | None = None) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]. ``kernel_rows``: a quantized head whose kernel
+        depends on the number of rows picks it as for this many (the step's sampling sequences: a
+        verification's extra rows then get plain decoding's numerics)."""
         h = self.norm(hidden)
         head = self.lm_head
         if head is None:  # tied: the embedding matrix
@@ -113,5 +115,5 @@ class CausalLM(nn.Module):
         # conversion pass over [rows, vocab]: a quantized head's forward_float32, a dense one's packed kernel.
         direct = getattr(head, "forward_float32", None)
         if direct is not None and not has_hooks(head):
-            return direct(h)
+            return direct(h) if kernel_rows is None else direct(h, kernel_rows)
         return linear(head, h, out_float32=True).float()

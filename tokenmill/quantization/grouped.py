@@ -242,24 +242,28 @@ class GroupedLinear(QuantizedLinear):
         self._one_part_below = below_rows
         return True
 
-    def _copy_for(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _copy_for(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
         copy = self._bf16_copy
-        return copy[0] if copy is not None and x.dtype == torch.bfloat16 and x.shape[0] >= copy[1] else None
+        return copy[0] if copy is not None and x.dtype == torch.bfloat16 and rows >= copy[1] else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, out_float32=False)
 
-    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, out_float32=True).float()
+    def matmul_float32(self, x: torch.Tensor, kernel_rows: int | None = None) -> torch.Tensor:
+        return self._matmul(x, out_float32=True, kernel_rows=kernel_rows).float()
 
-    def _matmul(self, x: torch.Tensor, out_float32: bool) -> torch.Tensor:
-        """``out_float32``: with bfloat16 x, the kernel writes its rounded outputs as float32."""
+    def _matmul(self, x: torch.Tensor, out_float32: bool, kernel_rows: int | None = None) -> torch.Tensor:
+        """``out_float32``: with bfloat16 x, the kernel writes its rounded outputs as float32.
+        ``kernel_rows``: the kernel (copy, parts) chosen as for a call of this many rows (each of its
+        kernels gives a row the same bits whatever the call's other rows: a speculative step's
+        verification rows get the numerics of a plain step over the same sequences)."""
         if not self._prepared:
             raise RuntimeError("GroupedLinear used before prepare()")
         if self._ops is None:  # no kernel here: the reference path
             return F.linear(x, self.dequantize().to(device=x.device, dtype=x.dtype))
-        copy = self._copy_for(x)
-        one_part = copy is not None and x.shape[0] < self._one_part_below
+        rows = x.shape[0] if kernel_rows is None else kernel_rows
+        copy = self._copy_for(x, rows)
+        one_part = copy is not None and rows < self._one_part_below
         if (copy is None or one_part) and self._int8_copy is not None and x.dtype == torch.bfloat16:
             packed, offset = self._int8_copy
             return self._ops.int8_copy_linear(x.contiguous(), packed, self.out_features, self.group_size, offset,

@@ -49,15 +49,18 @@ class QuantizedLinear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_float32(self, x: torch.Tensor, kernel_rows: int | None = None) -> torch.Tensor:
         """``forward(x).float()``, the same values; by :meth:`matmul_float32` when there is no bias
-        (an LM head's logits: no conversion pass where the kernel writes float32 itself)."""
+        (an LM head's logits: no conversion pass where the kernel writes float32 itself).
+        ``kernel_rows``: where the kernel depends on the number of rows, chosen as for this many."""
         if self.bias is not None or (torch.is_grad_enabled() and x.requires_grad):
             return self.forward(x).float()
-        return self.matmul_float32(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return self.matmul_float32(x.reshape(-1, self.in_features), kernel_rows).reshape(*x.shape[:-1],
+                                                                                         self.out_features)
 
-    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
-        """``matmul(x).float()``: the products rounded to x's dtype as ``matmul`` rounds them, in float32."""
+    def matmul_float32(self, x: torch.Tensor, kernel_rows: int | None = None) -> torch.Tensor:
+        """``matmul(x).float()``: the products rounded to x's dtype as ``matmul`` rounds them, in float32
+        (``kernel_rows``: see :meth:`forward_float32`; here one kernel for every row count)."""
         return self.matmul(x).float()
 
     def prepare(self) -> QuantizedLinear:
@@ -132,7 +135,7 @@ class Int8Linear(QuantizedLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, out_float32=False)
 
-    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul_float32(self, x: torch.Tensor, kernel_rows: int | None = None) -> torch.Tensor:
         return self._matmul(x, out_float32=True).float()
 
     def _matmul(self, x: torch.Tensor, out_float32: bool) -> torch.Tensor:

@@ -143,7 +143,7 @@ class EagleDraft(nn.Module):
             return fused.run(self.head.join(self.features, embeddings), [rope, rope], meta)
         return self.head(self.features, embeddings, rope, kv_cache.layer(0), meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, kernel_rows: int | None = None) -> torch.Tensor:
         small = self.head.draft_logits(hidden).float()
         full = torch.full((hidden.shape[0], self.config.vocab_size), -torch.inf, device=hidden.device)
         full[:, self.head.vocab] = small

@@ -70,7 +70,7 @@ class ShortlistHead(nn.Module):
             self.head.weight.copy_(rows)
         self.register_buffer("vocab", vocab.to(device=rows.device, dtype=torch.long))
 
-    def forward_float32(self, h: torch.Tensor) -> torch.Tensor:
+    def forward_float32(self, h: torch.Tensor, kernel_rows: int | None = None) -> torch.Tensor:
         return linear(self.head, h.to(self.head.weight.dtype), out_float32=True).float()
 
     forward = forward_float32

@@ -106,3 +106,21 @@ def test_shortlist_drafts_give_the_output_of_speculation_off(tiny_dir, tmp_path,
     assert spec.generate([[3, 1, 4, listed]], greedy)[0].outputs[0].token_ids == [listed] * 30
     assert c.num_draft_tokens - before[0] == c.num_accepted_tokens - before[1] > 20
     assert spec.engine.num_used_blocks == 0 and spec.engine.drafter.proposer.num_used_blocks == 0
+
+
+def test_verification_takes_the_heads_kernel_of_a_plain_step(tiny_dir, tmp_path, monkeypatch):
+    """The shortlist's verification rows ran the layers one row per sequence (the draft's passes, then
+    the step): the runner asks the head for its kernel as for one row per sampling sequence
+    (kernel_rows), so a quantized head whose kernel depends on the row count gives them plain
+    decoding's bits (Gemma 3 as stored, batch 4: 12 of 12 greedy outputs identical, 5 without)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = LLM(str(tiny_dir), dtype="float32", device="cpu",
+               speculative={"method": "shortlist", "draft_vocab_size": 40, "num_speculative_tokens": 3,
+                            "adaptive": False})
+    model, seen = spec.engine.runner.model, []
+    real = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden, kernel_rows=None:
+                        seen.append((hidden.shape[0], kernel_rows)) or real(hidden, kernel_rows))
+    spec.generate([[3, 1, 4, 9] * 3, [5, 9, 2] * 4], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    verifying = [(rows, k) for rows, k in seen if rows > 2]
+    assert verifying and all(k == 2 for _, k in verifying)

@@ -673,19 +673,3 @@ def test_verification_reads_the_steps_logits_in_place():
     assert run.data_ptr() == logits[1].data_ptr() and torch.equal(run, logits[1:4])
     assert torch.equal(_rows(logits, [0, 2, 5]), logits[[0, 2, 5]]) and _rows(logits, []).shape == (0, 4)
     assert _rows(logits, list(range(6))).data_ptr() == logits.data_ptr()
-
-
-def test_verification_rows_take_the_heads_kernel_of_a_plain_step(tiny_dir):
-    """The runner asks the head for its kernel as for one row per sampling sequence (kernel_rows): a
-    quantized head whose kernel depends on the row count gives drafted rows plain decoding's bits."""
-    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", speculative_method="ngram", speculative_adaptive=False)
-    model = llm.engine.runner.model
-    seen = []
-    real = model.compute_logits
-    model.compute_logits = lambda hidden, kernel_rows=None: seen.append((hidden.shape[0], kernel_rows)) or \
-        real(hidden, kernel_rows)
-    llm.generate([[3, 4] * 30, [5, 6, 7] * 20], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                 use_tqdm=False)
-    assert llm.engine.drafter.counters.num_draft_tokens > 0
-    drafted = [(rows, k) for rows, k in seen if rows > 2]
-    assert drafted and all(k == 2 for _, k in drafted)  # two sequences, more rows

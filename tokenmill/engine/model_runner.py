@@ -136,9 +136,11 @@ class ModelRunner:
                 if item.hidden_before is not None:
                     own = torch.cat([item.hidden_before.to(own.dtype), own])
                 pieces.append(own[len(own) - item.num_sample_rows:])
+            # the head's kernel as for one row per sampling sequence: these rows' layers ran one row per
+            # sequence too (the draft's passes, then this step), so they get plain decoding's bits
             logits = self.model.compute_logits(torch.cat(pieces), len(rows))
-        else:  # the head's kernel as for one row per sampling sequence: drafts verify as plain steps decode
-            logits = self.model.compute_logits(hidden[picked], len(rows))
+        else:  # rows the layers ran together (a verification's k + 1 a sequence): the fastest head kernel
+            logits = self.model.compute_logits(hidden[picked])
         full = {i: self.model.compute_logits(hidden[starts[i]:starts[i + 1]])
                 for i, item in enumerate(inputs) if item.all_logits}
         return RunnerOutput(logits, rows, full, hidden if with_hidden else None)

@@ -30,15 +30,7 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, draft: LoadedM
         return None
     if method == "ngram":
         return Drafter(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
-    if method == "layerskip":
-        total = target.config.num_layers
-        layers = config.layer_skip_layers or max(1, total // 2)
-        if not 1 <= layers < total:
-            raise InvalidParameterError(f"layer_skip_layers must be in 1..{total - 1} for a {total}-layer model, "
-                                        f"got {layers}")
-        make, name = partial(DraftModelProposer, layer_skip_model(target.model, list(range(layers)))), \
-            f"layerskip({layers})"
-    elif method == "shortlist":  # over the target's own KV: no pool of its own
+    if method == "shortlist":  # over the target's own KV: no pool of its own
         from tokenmill.engine.spec.shortlist import ShortlistProposer, model_ranking, shortlist, shortlist_model
 
         if target_kv is None or target_cache is None:
@@ -49,25 +41,38 @@ def build_drafter(config: SpeculativeConfig, target: LoadedModel, draft: LoadedM
         draft_cost = CostCurve(grows=True)  # its passes are the model's layers: dearer with every sequence
         proposer = ShortlistProposer(shortlist_model(target.model, vocab), target_kv, target_cache, sampler,
                                      draft_cost.observe, name)
-        logger.info("speculative decoding: %s, up to %d tokens a step, in the model's own KV cache", name,
-                    config.num_speculative_tokens)
-        return Drafter(config, proposer, draft_cost)
-    elif method == "eagle":
+        where = "in the model's own KV cache"
+    else:
+        make, name = _own_kv_proposer(config, target, draft)
+        num_blocks = -(-num_tokens // block_size) + 1
+        draft_cost = CostCurve()
+        proposer = make(num_blocks, block_size, sampler, draft_cost.observe, name)
+        where = f"its own KV of {num_blocks} blocks"
+    logger.info("speculative decoding: %s, up to %d tokens a step, %s", name, config.num_speculative_tokens, where)
+    return Drafter(config, proposer, draft_cost)
+
+
+def _own_kv_proposer(config: SpeculativeConfig, target: LoadedModel, draft: LoadedModel | None):
+    """(the proposer's constructor but for its KV pool's size, block size, sampler, cost observer and
+    name; its name) for the methods that draft with a model over a KV pool of their own."""
+    method = config.speculative_method
+    if method == "layerskip":
+        total = target.config.num_layers
+        layers = config.layer_skip_layers or max(1, total // 2)
+        if not 1 <= layers < total:
+            raise InvalidParameterError(f"layer_skip_layers must be in 1..{total - 1} for a {total}-layer model, "
+                                        f"got {layers}")
+        return partial(DraftModelProposer, layer_skip_model(target.model, list(range(layers)))), \
+            f"layerskip({layers})"
+    if method == "eagle":
         from tokenmill.engine.spec.eagle import EagleHead, EagleProposer
 
         head = EagleHead.load(config.draft_model, target.model)
-        name = f"eagle({config.draft_model}, draft vocabulary {len(head.vocab)})"
-        make = partial(EagleProposer, head, target.model)
-    elif method == "draft":
+        return partial(EagleProposer, head, target.model), \
+            f"eagle({config.draft_model}, draft vocabulary {len(head.vocab)})"
+    if method == "draft":
         if draft is None:
             raise InvalidParameterError("speculative_method draft: the draft model was not loaded")
         check_same_tokenizer(target.tokenizer, draft.tokenizer, config.draft_model)
-        make, name = partial(DraftModelProposer, draft.model), f"draft({draft.source.name})"
-    else:
-        raise ValueError(f"no proposer for {method!r}")  # SpeculativeConfig checked the name
-    num_blocks = -(-num_tokens // block_size) + 1
-    draft_cost = CostCurve()
-    proposer = make(num_blocks, block_size, sampler, draft_cost.observe, name)
-    logger.info("speculative decoding: %s, up to %d tokens a step, its own KV of %d blocks", name,
-                config.num_speculative_tokens, num_blocks)
-    return Drafter(config, proposer, draft_cost)
+        return partial(DraftModelProposer, draft.model), f"draft({draft.source.name})"
+    raise ValueError(f"no proposer for {method!r}")  # SpeculativeConfig checked the name

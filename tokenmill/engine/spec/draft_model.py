@@ -48,7 +48,7 @@ from tokenmill.models.base import CausalLM
 
 
 @dataclass
-class _Fed:
+class Fed:
     """What the draft's KV holds for one sequence: ``all_token_ids[:num_tokens]`` then ``guesses``."""
 
     num_tokens: int
@@ -82,7 +82,7 @@ class DraftModelProposer:
         self.kv, self.cache = kv, cache
         self.runner = ModelRunner(model, cache, model.embed.weight.device)
         self.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=sampler.generator)))
-        self._fed: dict[str, _Fed] = {}
+        self._fed: dict[str, Fed] = {}
 
     @property
     def num_used_blocks(self) -> int:
@@ -130,7 +130,7 @@ class DraftModelProposer:
         """One forward pass of the draft -> the logits of each input's last token."""
         return self.runner.execute(inputs).sample_logits
 
-    def _kept_prefix(self, seq: Sequence, fed: _Fed) -> int:
+    def _kept_prefix(self, seq: Sequence, fed: Fed) -> int:
         """How much of what the draft holds is still right: its tokens, then its fed guesses up to
         the first one the sequence did not keep."""
         ids, keep = seq.all_token_ids, fed.num_tokens
@@ -158,7 +158,7 @@ class DraftModelProposer:
         if not self.kv.allocate_slots(seq.seq_id, ids, len(ids) - keep):
             self.release(seq.seq_id)
             return None
-        self._fed[seq.seq_id] = _Fed(len(ids), [])
+        self._fed[seq.seq_id] = Fed(len(ids), [])
         return self._first_input(seq, keep)
 
     def _cache_fed(self, seq: Sequence) -> None:

@@ -40,7 +40,7 @@ from tokenmill.engine.kv_cache_manager import KVCacheCoordinator
 from tokenmill.engine.model_runner import ModelRunner, SequenceInput
 from tokenmill.engine.request import Sequence
 from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.spec.draft_model import DraftModelProposer, _Fed, model_view
+from tokenmill.engine.spec.draft_model import DraftModelProposer, Fed, model_view
 from tokenmill.engine.spec.proposer import Draft
 from tokenmill.errors import InvalidParameterError
 from tokenmill.loading.tokenizer import Tokenizer
@@ -133,7 +133,7 @@ class ShortlistProposer(DraftModelProposer):
         self._start[seq.seq_id] = start
         for group, pairs in enumerate(self.kv.take_pending_copies()):  # a shared block written: copied first
             self.cache.copy_blocks(group, pairs)
-        self._fed[seq.seq_id] = _Fed(len(ids), [])
+        self._fed[seq.seq_id] = Fed(len(ids), [])
         return SequenceInput(ids[start:], start, self.kv.block_table(seq.seq_id), True)
 
     def _cache_fed(self, seq: Sequence) -> None:

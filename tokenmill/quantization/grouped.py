@@ -136,8 +136,9 @@ def unpack_grouped(packed: torch.Tensor, sz: torch.Tensor, out_features: int, bi
 ONE_PART_BELOW = 64
 """An LM head's calls from its bfloat16 copy's rows up to this many (exclusive) take the int8 copy with
 x in one part (:meth:`GroupedLinear.use_one_part`). Gemma 3's 262k-row Q8_0 head, 2 vCPUs (AMD),
-milliseconds, two parts / one part / bfloat16 copy: 12 rows 12.9 / 8.7 / 12.6, 16 rows 16.5 / 10.1 /
-16.1, 32 rows 30.9 / 16.4 / 20.9, 64 rows 61.0 / 33.9 / 35.2, 128 rows 122 / 62.4 / 61.7. Numerics, on
+milliseconds, two parts / one part / bfloat16 copy: 12 rows 12.4 / 5.8 / 12.7, 16 rows 16.0 / 8.4 /
+14.6, 24 rows 23.8 / 12.4 / 15.3, 32 rows 29.3 / 16.1 / 20.6, 48 rows 42.8 / 23.6 / 26.3 (one part
+takes up to 16 rows in one block), and earlier 64 rows 61.0 / 33.9 / 35.2, 128 rows 122 / 62.4 / 61.7. Numerics, on
 768 of Gemma 3's own final hidden states (bfloat16) against float64 products of the same weights:
 logits' rms error 0.041 (max 0.49) with one part, 0.014 (max 0.22) with the bfloat16 copy; 7 and 8
 argmax changes, all at top-2 gaps under 0.13 (the bfloat16 rounding of the logits alone moves a

@@ -29,7 +29,8 @@
 // vdpbf16ps does as many multiply-adds an instruction as the two parts, over twice the bytes). The
 // same h, sums and fold with l = 0: A = 256 sum code h, S = 256 sum h.
 //
-// Schedule: tiles in parallel; per tile, rows in blocks of up to 8 (as even as they come), per group
+// Schedule: tiles in parallel; per tile, rows in blocks of up to 8 (as even as they come; one part:
+// up to 16 rows in one block), per group
 // the block's two int32 sums per row in registers (one broadcast of 4 bytes of x's part per
 // vpdpbusd), folded into float32 results at the group's end (shift, add, cvt, mul, fma per row;
 // the mins' fma unless symmetric, where the sums start at -o times x's sums instead). A row's
@@ -50,6 +51,11 @@
 namespace {
 
 constexpr int kMaxBlock = 8;
+// One part: a call of up to kMaxBlockOne rows in one block (its R sums and R results in registers,
+// some spilled from 13 rows on). Gemma 3's 262k-row head, ms: 12 rows 5.1-5.5 in one block against
+// 8.2 in two of 6, 16 rows 8.7 against 9.8 in two of 8; more rows in blocks of 16 or 12 were slower
+// than in blocks of 8 (32 rows 17.8 and 15.2 against 15.6), so they keep kMaxBlock.
+constexpr int kMaxBlockOne = 16;
 constexpr int64_t kPanel = 128;
 
 // x quantized per row and group: parts h and l int8 [M, K]; d = dx / 256 float32, sh and sl (the
@@ -260,7 +266,7 @@ inline void tile_block(const Args& a, int64_t t, int64_t m0, O* out, bool bf16_r
     store_row(out + (m0 + r) * a.N + 16 * t, a.bias ? _mm512_add_ps(res[r], b) : res[r], live, bf16_round);
 }
 
-template <int C, bool Sym, bool Two, typename O, int R = kMaxBlock>
+template <int C, bool Sym, bool Two, typename O, int R = (Two ? kMaxBlock : kMaxBlockOne)>
 inline void block_of(int rows, const Args& a, int64_t t, int64_t m0, O* out, bool bf16_round) {
   if constexpr (R > 1) {
     if (rows < R) return block_of<C, Sym, Two, O, R - 1>(rows, a, t, m0, out, bf16_round);
@@ -270,7 +276,8 @@ inline void block_of(int rows, const Args& a, int64_t t, int64_t m0, O* out, boo
 
 template <int C, bool Sym, bool Two, typename O>
 void tile_vector(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, bool bf16_round) {
-  const int64_t blocks = (m1 - m0 + kMaxBlock - 1) / kMaxBlock;
+  const int64_t max = !Two && m1 - m0 <= kMaxBlockOne ? kMaxBlockOne : kMaxBlock;
+  const int64_t blocks = (m1 - m0 + max - 1) / max;
   int64_t m = m0;
   for (int64_t b = 0; b < blocks; ++b) {  // as even as they come
     const int rows = static_cast<int>((m1 - m + (blocks - b) - 1) / (blocks - b));

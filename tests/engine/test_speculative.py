@@ -666,7 +666,7 @@ def test_verification_reads_the_steps_logits_in_place():
     """A step's drafting sequences verify on the step's own logits rows: a view where their rows are a
     run (a 64-stream verification of Gemma 3 is 300 MB of logits: copying them, twice, took longer
     than the forward pass), one gather where plain rows sit between them."""
-    from tokenmill.engine.llm_engine import _rows
+    from tokenmill.engine.sampler import take_rows as _rows
 
     logits = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     run = _rows(logits, [1, 2, 3])

@@ -30,7 +30,7 @@ from tokenmill.engine.model_runner import ModelRunner, SequenceInput
 from tokenmill.engine.limits import PromptLimits
 from tokenmill.engine.outputs import RequestDelta, SampleDelta, TokenLogprobs
 from tokenmill.engine.request import Request, Sequence, SequenceStatus
-from tokenmill.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs
+from tokenmill.engine.sampler import Sampler, SamplingState, compute_prompt_logprobs, take_rows
 from tokenmill.engine.scheduler import ScheduledSequence, Scheduler
 from tokenmill.engine.spec.build import build_drafter
 from tokenmill.engine.spec.verify import verify
@@ -347,7 +347,7 @@ class LLMEngine:
             if not item.num_draft:  # a drafting sequence counts what verification keeps (_verify)
                 item.seq.num_computed_tokens += item.num_new_tokens
                 self.kv.cache_blocks(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens)
-        logits = _rows(result.sample_logits, plain_rows)
+        logits = take_rows(result.sample_logits, plain_rows)
         rows, seqs = self._with_forked_samples(completing, logits)
         samples = self.sampler(rows, [s.sampling for s in seqs])
         now = time.monotonic()
@@ -357,7 +357,7 @@ class LLMEngine:
             self._append(seq, sample)
             changed[request.request_id] = request
         if verifying:
-            self._verify(verifying, _rows(result.sample_logits, verify_rows), changed)
+            self._verify(verifying, take_rows(result.sample_logits, verify_rows), changed)
 
     def _verify(self, verifying: list[ScheduledSequence], logits: torch.Tensor, changed: dict[str, Request]) -> None:
         """The drafting sequences' rows (``logits``, theirs in order), verified together
@@ -469,10 +469,3 @@ def _sample_delta(seq: Sequence) -> SampleDelta | None:
     seq.num_sent_tokens, seq.num_sent_chars, seq.finish_sent = num_tokens, num_chars, finished
     return delta
 
-
-def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits``' rows ``rows``: a view where they are a run in order (every row, or every drafting
-    sequence's), else one copy (Gemma 3's rows are 1 MB each: a 64-stream verification's are 300 MB)."""
-    if not rows or rows == list(range(rows[0], rows[0] + len(rows))):
-        return logits[rows[0]:rows[0] + len(rows)] if rows else logits[:0]
-    return logits.index_select(0, torch.tensor(rows, device=logits.device))

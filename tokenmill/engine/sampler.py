@@ -124,7 +124,7 @@ class Sampler:
         scores = self._penalized(raw, states)
         random = [i for i, s in enumerate(states) if not s.greedy]
         if random:
-            filtered = self._filtered(_take_rows(scores, random), [states[i] for i in random])
+            filtered = self._filtered(take_rows(scores, random), [states[i] for i in random])
             scores = filtered if len(random) == len(states) else \
                 _put_rows(scores.clone() if scores is raw else scores, random, filtered)
         return raw, scores
@@ -162,11 +162,11 @@ class Sampler:
         if len(greedy) == len(states):
             return argmax_rows(scores).tolist()
         random = [i for i, s in enumerate(states) if not s.greedy]
-        sampled = self._sample(_take_rows(scores, random), [states[i] for i in random])
+        sampled = self._sample(take_rows(scores, random), [states[i] for i in random])
         if not greedy:
             return sampled.tolist()
         token_ids = torch.empty(len(states), dtype=torch.long, device=scores.device)
-        token_ids[greedy] = argmax_rows(_take_rows(scores, greedy))
+        token_ids[greedy] = argmax_rows(take_rows(scores, greedy))
         token_ids[random] = sampled
         return token_ids.tolist()
 
@@ -184,7 +184,7 @@ class Sampler:
         top_p = [p.top_p for p in params]
         filtered = [i for i in range(len(params)) if top_k[i] < vocab_size or top_p[i] < 1]
         if filtered:
-            kept = apply_top_k_top_p(_take_rows(scores, filtered),
+            kept = apply_top_k_top_p(take_rows(scores, filtered),
                                      torch.tensor([top_k[i] for i in filtered], device=device),
                                      torch.tensor([top_p[i] for i in filtered], device=device))
             scores = _put_rows(scores, filtered, kept)
@@ -217,17 +217,21 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     return ops.argmax_rows(scores) if ops is not None else scores.argmax(-1)
 
 
-def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """Rows of ``x`` (ascending, distinct): ``x`` itself when they are all of them, else a copy."""
-    if len(rows) == x.shape[0]:
-        return x
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows of ``x`` (ascending, distinct): a view where they are a run (``x`` itself when they are all
+    of them), else one copy (Gemma 3's logits rows are 1 MB each: a 64-stream verification's are 300 MB)."""
+    if not rows or rows == list(range(rows[0], rows[0] + len(rows))):
+        return x[rows[0]:rows[0] + len(rows)] if rows else x[:0]
     return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
 def _put_rows(x: torch.Tensor, rows: list[int], values: torch.Tensor) -> torch.Tensor:
-    """Write ``values`` into the given rows of ``x`` (in place) and return it; ``values`` when they are all rows."""
+    """Write ``values`` into the given rows of ``x`` (in place) and return it; ``values`` when they are all rows.
+    Values that are those rows already (:func:`take_rows`' view of a run, changed in place) stay."""
     if len(rows) == x.shape[0]:
         return values
+    if values.data_ptr() == x[rows[0]].data_ptr():
+        return x
     return x.index_copy_(0, torch.tensor(rows, device=x.device), values)
 
 
@@ -237,7 +241,7 @@ def _penalize_rows(scores: torch.Tensor, rows: list[int], states: Sequence[Sampl
     def per_row(name: str) -> torch.Tensor:
         return torch.tensor([getattr(s.params, name) for s in picked], device=scores.device)
 
-    sub = _take_rows(scores, rows)
+    sub = take_rows(scores, rows)
     apply_penalties(sub, [s.prompt_token_ids for s in picked], [s.output_token_ids for s in picked],
                     per_row("repetition_penalty"), per_row("frequency_penalty"), per_row("presence_penalty"))
     _put_rows(scores, rows, sub)
@@ -252,7 +256,7 @@ def _results(raw: torch.Tensor, token_ids: list[int], states: Sequence[SamplingS
     if not asking:
         return results
     top_n = max(states[i].params.logprobs or 0 for i in asking)
-    logprobs = _take_rows(raw, asking if rows is None else [rows[i] for i in asking]).log_softmax(-1)
+    logprobs = take_rows(raw, asking if rows is None else [rows[i] for i in asking]).log_softmax(-1)
     chosen = logprobs.gather(1, torch.tensor([token_ids[i] for i in asking], device=raw.device).unsqueeze(1))
     top_values, top_ids = logprobs.topk(top_n, dim=-1)
     for i, lp, values, ids in zip(asking, chosen.squeeze(1).tolist(), top_values.tolist(), top_ids.tolist()):

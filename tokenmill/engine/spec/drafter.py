@@ -112,16 +112,14 @@ class Drafter:
         if not seqs:
             self._draft_seconds = 0.0
             return
-        if self.proposer.cheap:  # look up first, then size what was found
-            drafts = self.proposer.propose(seqs, caps)
-            found = [len(d.token_ids) for d in drafts]
-            sizes = self._sizes(seqs, found, min(decoding, budget), decoding)
-            if probe:  # the realised check's probe: a draft it can measure, whatever the estimates say
-                sizes = [max(n, min(1, f)) for n, f in zip(sizes, found)]
-        else:  # size first: the model drafts only what will be verified
-            sizes = self._sizes(seqs, caps, min(decoding, budget), decoding)
-            if probe:
-                sizes = [max(n, min(1, c)) for n, c in zip(sizes, caps)]
+        # a cheap proposer looks up first and what it found is sized; a model is sized first and drafts
+        # only what will be verified
+        drafts = self.proposer.propose(seqs, caps) if self.proposer.cheap else None
+        limits = [len(d.token_ids) for d in drafts] if drafts is not None else caps
+        sizes = self._sizes(seqs, limits, min(decoding, budget), decoding)
+        if probe:  # the realised check's probe: a draft it can measure, whatever the estimates say
+            sizes = [max(n, min(1, c)) for n, c in zip(sizes, limits)]
+        if drafts is None:
             drafts = self.proposer.propose(seqs, sizes)
         for seq, draft, n in zip(seqs, drafts, sizes):
             if n > 0:

@@ -31,8 +31,8 @@ than plain decoding. :class:`RealisedGain` is the check on it, by batch size:
   Gemma's shortlist draft at batch 1 keeps 96% of its tokens, but one draft refused outright pulled
   a four-step average under 1, the draft-length model, its estimate lowered by the same refusal,
   drafted nothing in the probes, and the run went plain for most of a round.)
-A step's time counts at most ``CLIP`` times what its rows would cost at the plain
-  step's price per row: a first step at a new shape can pay one-off costs.
+- a step's time counts at most ``CLIP`` times what its rows would cost at the plain step's price
+  per row: a first step at a new shape can pay one-off costs.
 
 A drafting bucket still runs a plain step every ``REFRESH_EVERY`` of its steps, and whenever no
 plain step has been measured near the current ``n``, so the gain is always against a recent plain

@@ -49,7 +49,7 @@ CASES = [  # n, k, group size, bits, symmetric offset (None: mins)
 
 
 @pytest.mark.parametrize("n,k,gs,bits,offset", CASES)
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 130])  # one block, uneven blocks, two panels of rows
+@pytest.mark.parametrize("m", [1, 5, 12, 16, 17, 20, 130])  # one block, the largest blocks, uneven blocks, two panels
 @pytest.mark.parametrize("one_part", [False, True])
 def test_int8_copy_matches_the_reference_of_its_quantized_x(n, k, gs, bits, offset, m, one_part) -> None:
     w = _weight(n, k, gs, bits, offset, seed=n * m)

@@ -133,12 +133,14 @@ def unpack_grouped(packed: torch.Tensor, sz: torch.Tensor, out_features: int, bi
                          min_[:out_features].contiguous(), codes.shape[1] // groups, bits)
 
 
-ONE_PART_BELOW = 64
+ONE_PART_BELOW = 512
 """An LM head's calls from its bfloat16 copy's rows up to this many (exclusive) take the int8 copy with
-x in one part (:meth:`GroupedLinear.use_one_part`). Gemma 3's 262k-row Q8_0 head, 2 vCPUs (AMD),
-milliseconds, two parts / one part / bfloat16 copy: 12 rows 12.4 / 5.8 / 12.7, 16 rows 16.0 / 8.4 /
-14.6, 24 rows 23.8 / 12.4 / 15.3, 32 rows 29.3 / 16.1 / 20.6, 48 rows 42.8 / 23.6 / 26.3 (one part
-takes up to 16 rows in one block), and earlier 64 rows 61.0 / 33.9 / 35.2, 128 rows 122 / 62.4 / 61.7. Numerics, on
+x in one part (:meth:`GroupedLinear.use_one_part`). 2 vCPUs (AMD), milliseconds, one part / bfloat16
+copy, after the int8 kernel's block packing (blocks of up to 20 rows): Gemma 3's 262k-row Q8_0 head,
+16 rows 5.5 / 15.2, 64 rows 20.8 / 34.2, 128 rows 42.4 / 60.1, 256 rows 92 / 120, 512 rows 312 / 365;
+SmolLM2's 49k-row head, 16 rows 0.8 / 2.3, 128 rows 6.6 / 10.2, 512 rows 27.3 / 38.1. (Before the
+packing, two parts / one part / bfloat16 copy: 12 rows 12.4 / 5.8 / 12.7, 16 rows 16.0 / 8.4 / 14.6,
+32 rows 29.3 / 16.1 / 20.6, 128 rows 122 / 62.4 / 61.7.) Numerics, on
 768 of Gemma 3's own final hidden states (bfloat16) against float64 products of the same weights:
 logits' rms error 0.041 (max 0.49) with one part, 0.014 (max 0.22) with the bfloat16 copy; 7 and 8
 argmax changes, all at top-2 gaps under 0.13 (the bfloat16 rounding of the logits alone moves a

@@ -29,8 +29,8 @@
 // vdpbf16ps does as many multiply-adds an instruction as the two parts, over twice the bytes). The
 // same h, sums and fold with l = 0: A = 256 sum code h, S = 256 sum h.
 //
-// Schedule: tiles in parallel; per tile, rows in blocks of up to 8 (as even as they come; one part:
-// up to 16 rows in one block), per group
+// Schedule: tiles in parallel; per tile, rows in blocks of up to kMaxBlock (as even as they come;
+// one part: kMaxBlockOne), each block's x packed once per call (pack_blocks), per group
 // the block's two int32 sums per row in registers (one broadcast of 4 bytes of x's part per
 // vpdpbusd), folded into float32 results at the group's end (shift, add, cvt, mul, fma per row;
 // the mins' fma unless symmetric, where the sums start at -o times x's sums instead). A row's
@@ -44,18 +44,21 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 #include "simd.h"
 
 namespace {
 
-constexpr int kMaxBlock = 8;
-// One part: a call of up to kMaxBlockOne rows in one block (its R sums and R results in registers,
-// some spilled from 13 rows on). Gemma 3's 262k-row head, ms: 12 rows 5.1-5.5 in one block against
-// 8.2 in two of 6, 16 rows 8.7 against 9.8 in two of 8; more rows in blocks of 16 or 12 were slower
-// than in blocks of 8 (32 rows 17.8 and 15.2 against 15.6), so they keep kMaxBlock.
-constexpr int kMaxBlockOne = 16;
+// Rows per block: two parts up to kMaxBlock (2 R sums in registers, the R results in memory past
+// kResInRegisters), one part up to kMaxBlockOne. Gemma 3's 262k-row head (Q8_0), one part, ms, after
+// the blocks' packing (pack_blocks): 16 rows 5.4-5.8 in one block (8.4 before the packing, whose
+// spilled row pointers made 13-16-row blocks slow), 17 rows 6.1 in one block against 7.7-8.0 in two,
+// 24 rows 9.4 in two of 12 against 10.2-10.9 in one of 24; two parts, 12 rows 6.7-7.5 in one block
+// against 10.3 in two of 6, 48 rows 27.8-28.3 in blocks of 12 against 30.2-35.5 in blocks of 8.
+constexpr int kMaxBlock = 12;
+constexpr int kMaxBlockOne = 20;
 constexpr int64_t kPanel = 128;
 
 // x quantized per row and group: parts h and l int8 [M, K]; d = dx / 256 float32, sh and sl (the
@@ -162,6 +165,62 @@ struct Args {
   bool one_part;                  // x's h part alone (l taken as 0)
 };
 
+// A block of rows as the vector path reads it, packed once per call (pack_blocks): for group g,
+// xh[(g C + c) R + r] is row m0 + r's 4 bytes c of its h part (xl the same for l); d[g R + r] its
+// dx / 256 (times 256 with one part); ih / il[g R + r] the symmetric offset's start, -o times the
+// parts' sums; ms[g R + r] the mins' factor d (256 sh + sl).
+struct Block {
+  int64_t m0;
+  int rows;
+  const int32_t* xh;
+  const int32_t* xl;
+  const float* d;
+  const int32_t* ih;
+  const int32_t* il;
+  const float* ms;
+};
+
+// Rows p0 .. p1 in blocks of up to kMaxBlock (one part, at most kMaxBlockOne rows: kMaxBlockOne),
+// as even as they come; storage holds every block's packing.
+std::vector<Block> pack_blocks(const Args& a, int64_t p0, int64_t p1, std::vector<int32_t>& storage) {
+  const int64_t max = a.one_part ? kMaxBlockOne : kMaxBlock;
+  const int64_t n = (p1 - p0 + max - 1) / max, C = a.gs / 4, M = p1 - p0;
+  const int64_t per_row = a.G * (2 * C + 4);  // xh, xl, d, ih, il, ms
+  storage.assign(static_cast<size_t>(M * per_row), 0);
+  std::vector<Block> blocks;
+  int64_t m = p0;
+  int32_t* base = storage.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const int R = static_cast<int>((p1 - m + (n - i) - 1) / (n - i));
+    int32_t* xh = base;
+    int32_t* xl = xh + a.G * C * R;
+    float* d = reinterpret_cast<float*>(xl + a.G * C * R);
+    int32_t* ih = reinterpret_cast<int32_t*>(d + a.G * R);
+    int32_t* il = ih + a.G * R;
+    float* ms = reinterpret_cast<float*>(il + a.G * R);
+    base += R * per_row;
+    for (int r = 0; r < R; ++r) {
+      const int32_t* h = reinterpret_cast<const int32_t*>(a.h + (m + r) * a.K);
+      const int32_t* l = reinterpret_cast<const int32_t*>(a.l + (m + r) * a.K);
+      for (int64_t g = 0; g < a.G; ++g) {
+        for (int64_t c = 0; c < C; ++c) {
+          xh[(g * C + c) * R + r] = h[g * C + c];
+          xl[(g * C + c) * R + r] = a.one_part ? 0 : l[g * C + c];
+        }
+        const int64_t mg = (m + r) * a.G + g;
+        const int32_t sl = a.one_part ? 0 : a.sl[mg];
+        d[g * R + r] = a.d[mg] * (a.one_part ? 256.f : 1.f);
+        ih[g * R + r] = a.offset < 0 ? 0 : -a.offset * a.sh[mg];
+        il[g * R + r] = a.offset < 0 ? 0 : -a.offset * sl;
+        ms[g * R + r] = a.d[mg] * static_cast<float>(a.sh[mg] * 256 + sl);
+      }
+    }
+    blocks.push_back({m, R, xh, xl, d, ih, il, ms});
+    m += R;
+  }
+  return blocks;
+}
+
 inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
 
 template <typename O>
@@ -215,89 +274,94 @@ inline void store_row(O* p, __m512 v, __mmask16 live, bool bf16_round) {
   }
 }
 
-// Rows m0 .. m0 + R of tile t: per group, 2 R int32 sums (R with one part) of C = gs / 4 vpdpbusd
-// each, then the fold.
+// Rows b.m0 .. b.m0 + R of tile t: per group, 2 R int32 sums (R with one part) of C = gs / 4 vpdpbusd
+// each, then the fold. Every per-row operand comes from the block's packing (pack_block), at fixed
+// offsets from one pointer per stream: the R rows' pointers would not fit the 16 general registers.
+// Past kResInRegisters rows the float results live in an aligned stack buffer (read and written
+// once per group) so that the sums keep the vector registers.
+constexpr int kResInRegisters = 12;
+
 template <int R, int C, bool Sym, bool Two, typename O>
-inline void tile_block(const Args& a, int64_t t, int64_t m0, O* out, bool bf16_round) {
-  __m512 res[R];
-  for (int r = 0; r < R; ++r) res[r] = _mm512_setzero_ps();
-  const int32_t* xh[R];
-  const int32_t* xl[R];
-  for (int r = 0; r < R; ++r) {
-    xh[r] = reinterpret_cast<const int32_t*>(a.h + (m0 + r) * a.K);
-    xl[r] = reinterpret_cast<const int32_t*>(a.l + (m0 + r) * a.K);
+inline void tile_block(const Args& a, const Block& b, int64_t t, O* out, bool bf16_round) {
+  constexpr bool kResMem = R > kResInRegisters;
+  __m512 res[kResMem ? 1 : R];
+  alignas(64) float acc[kResMem ? R * 16 : 16];
+  if constexpr (kResMem) {
+    for (int r = 0; r < R; ++r) _mm512_store_ps(acc + 16 * r, _mm512_setzero_ps());
+  } else {
+    for (int r = 0; r < R; ++r) res[r] = _mm512_setzero_ps();
   }
+  const int32_t* xh = b.xh;
+  const int32_t* xl = b.xl;
+  const float* d = b.d;
+  const int32_t* ih = b.ih;
+  const int32_t* il = b.il;
+  const float* ms = b.ms;
   const uint8_t* blk = a.copy + t * a.G * a.block;
-  for (int64_t g = 0; g < a.G; ++g, blk += a.block) {
-    __m512i ah[R], al[R];
+  for (int64_t g = 0; g < a.G; ++g, blk += a.block, xh += C * R, xl += C * R, d += R, ih += R, il += R, ms += R) {
+    __m512i ah[R], al[Two ? R : 1];
+#pragma GCC unroll 24
     for (int r = 0; r < R; ++r) {
-      const int64_t mg = (m0 + r) * a.G + g;
-      ah[r] = Sym ? _mm512_set1_epi32(-a.offset * a.sh[mg]) : _mm512_setzero_si512();
-      if constexpr (Two) al[r] = Sym ? _mm512_set1_epi32(-a.offset * a.sl[mg]) : _mm512_setzero_si512();
+      ah[r] = Sym ? _mm512_set1_epi32(ih[r]) : _mm512_setzero_si512();
+      if constexpr (Two) al[r] = Sym ? _mm512_set1_epi32(il[r]) : _mm512_setzero_si512();
     }
-    const int64_t x0 = g * C;
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const __m512i w = _mm512_load_si512(reinterpret_cast<const __m512i*>(blk + 64 * c));
+#pragma GCC unroll 24
       for (int r = 0; r < R; ++r) {
-        ah[r] = _mm512_dpbusd_epi32(ah[r], w, _mm512_set1_epi32(xh[r][x0 + c]));
-        if constexpr (Two) al[r] = _mm512_dpbusd_epi32(al[r], w, _mm512_set1_epi32(xl[r][x0 + c]));
+        ah[r] = _mm512_dpbusd_epi32(ah[r], w, _mm512_set1_epi32(xh[c * R + r]));
+        if constexpr (Two) al[r] = _mm512_dpbusd_epi32(al[r], w, _mm512_set1_epi32(xl[c * R + r]));
       }
     }
     const __m512 scale = _mm512_load_ps(reinterpret_cast<const float*>(blk + 64 * C));
+    __m512 mn = _mm512_setzero_ps();
+    if constexpr (!Sym) mn = _mm512_load_ps(reinterpret_cast<const float*>(blk + 64 * C + 64));
+#pragma GCC unroll 24
     for (int r = 0; r < R; ++r) {
       // one part: 256 sum code h as (sum code h) times 256 d, exactly (a power of two)
       const __m512i sum = Two ? _mm512_add_epi32(_mm512_slli_epi32(ah[r], 8), al[r]) : ah[r];
-      const float d = a.d[(m0 + r) * a.G + g] * (Two ? 1.f : 256.f);
-      res[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(d)), res[r]);
-    }
-    if constexpr (!Sym) {
-      const __m512 mn = _mm512_load_ps(reinterpret_cast<const float*>(blk + 64 * C + 64));
-      for (int r = 0; r < R; ++r) {
-        const int64_t mg = (m0 + r) * a.G + g;
-        res[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.d[mg] * static_cast<float>(a.sh[mg] * 256 + (Two ? a.sl[mg] : 0))),
-                                 res[r]);
-      }
+      __m512 v = kResMem ? _mm512_load_ps(acc + 16 * r) : res[r];
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(d[r])), v);
+      if constexpr (!Sym) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(ms[r]), v);
+      if constexpr (kResMem) _mm512_store_ps(acc + 16 * r, v);
+      else res[r] = v;
     }
   }
   const int64_t rows = std::min<int64_t>(16, a.N - 16 * t);
   const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512 b = a.bias ? _mm512_maskz_loadu_ps(live, a.bias + 16 * t) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r)
-    store_row(out + (m0 + r) * a.N + 16 * t, a.bias ? _mm512_add_ps(res[r], b) : res[r], live, bf16_round);
+  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(live, a.bias + 16 * t) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const __m512 v = kResMem ? _mm512_load_ps(acc + 16 * r) : res[r];
+    store_row(out + (b.m0 + r) * a.N + 16 * t, a.bias ? _mm512_add_ps(v, bias) : v, live, bf16_round);
+  }
 }
 
 template <int C, bool Sym, bool Two, typename O, int R = (Two ? kMaxBlock : kMaxBlockOne)>
-inline void block_of(int rows, const Args& a, int64_t t, int64_t m0, O* out, bool bf16_round) {
+inline void block_of(const Args& a, const Block& b, int64_t t, O* out, bool bf16_round) {
   if constexpr (R > 1) {
-    if (rows < R) return block_of<C, Sym, Two, O, R - 1>(rows, a, t, m0, out, bf16_round);
+    if (b.rows < R) return block_of<C, Sym, Two, O, R - 1>(a, b, t, out, bf16_round);
   }
-  tile_block<R, C, Sym, Two>(a, t, m0, out, bf16_round);
+  tile_block<R, C, Sym, Two>(a, b, t, out, bf16_round);
 }
 
 template <int C, bool Sym, bool Two, typename O>
-void tile_vector(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, bool bf16_round) {
-  const int64_t max = !Two && m1 - m0 <= kMaxBlockOne ? kMaxBlockOne : kMaxBlock;
-  const int64_t blocks = (m1 - m0 + max - 1) / max;
-  int64_t m = m0;
-  for (int64_t b = 0; b < blocks; ++b) {  // as even as they come
-    const int rows = static_cast<int>((m1 - m + (blocks - b) - 1) / (blocks - b));
-    block_of<C, Sym, Two>(rows, a, t, m, out, bf16_round);
-    m += rows;
-  }
+void tile_vector(const Args& a, const std::vector<Block>& blocks, int64_t t, O* out, bool bf16_round) {
+  for (const Block& b : blocks) block_of<C, Sym, Two>(a, b, t, out, bf16_round);
 }
 template <int C, typename O>
-void tile_dispatch_c(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, bool bf16_round) {
+void tile_dispatch_c(const Args& a, const std::vector<Block>& blocks, int64_t t, O* out, bool bf16_round) {
   if (a.offset < 0)
-    a.one_part ? tile_vector<C, false, false>(a, t, m0, m1, out, bf16_round)
-               : tile_vector<C, false, true>(a, t, m0, m1, out, bf16_round);
+    a.one_part ? tile_vector<C, false, false>(a, blocks, t, out, bf16_round)
+               : tile_vector<C, false, true>(a, blocks, t, out, bf16_round);
   else
-    a.one_part ? tile_vector<C, true, false>(a, t, m0, m1, out, bf16_round)
-               : tile_vector<C, true, true>(a, t, m0, m1, out, bf16_round);
+    a.one_part ? tile_vector<C, true, false>(a, blocks, t, out, bf16_round)
+               : tile_vector<C, true, true>(a, blocks, t, out, bf16_round);
 }
 
 template <typename O>
-void tile_dispatch(const Args& a, int64_t t, int64_t m0, int64_t m1, O* out, bool bf16_round) {
-  a.gs == 32 ? tile_dispatch_c<8>(a, t, m0, m1, out, bf16_round) : tile_dispatch_c<4>(a, t, m0, m1, out, bf16_round);
+void tile_dispatch(const Args& a, const std::vector<Block>& blocks, int64_t t, O* out, bool bf16_round) {
+  a.gs == 32 ? tile_dispatch_c<8>(a, blocks, t, out, bf16_round) : tile_dispatch_c<4>(a, blocks, t, out, bf16_round);
 }
 #else
 constexpr bool kFast = false;
@@ -306,13 +370,16 @@ constexpr bool kFast = false;
 template <typename O>
 void run(const Args& a, O* out, bool bf16_round, bool generic) {
   const int64_t tiles = (a.N + 15) / 16;
+  const bool vector = kFast && !generic && (a.gs == 32 || a.gs == 16);
+  std::vector<int32_t> storage;
   for (int64_t p0 = 0; p0 < a.M; p0 += kPanel) {
     const int64_t p1 = std::min(a.M, p0 + kPanel);
+    const std::vector<Block> blocks = vector ? pack_blocks(a, p0, p1, storage) : std::vector<Block>();
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        if (!generic && (a.gs == 32 || a.gs == 16)) {
-          tile_dispatch(a, t, p0, p1, out, bf16_round);
+        if (vector) {
+          tile_dispatch(a, blocks, t, out, bf16_round);
           continue;
         }
 #endif

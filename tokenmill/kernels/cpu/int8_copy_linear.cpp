@@ -180,8 +180,8 @@ struct Block {
   const float* ms;
 };
 
-// Rows p0 .. p1 in blocks of up to kMaxBlock (one part, at most kMaxBlockOne rows: kMaxBlockOne),
-// as even as they come; storage holds every block's packing.
+// Rows p0 .. p1 in blocks of up to kMaxBlock rows (kMaxBlockOne with one part), as even as they
+// come; storage holds every block's packing.
 std::vector<Block> pack_blocks(const Args& a, int64_t p0, int64_t p1, std::vector<int32_t>& storage) {
   const int64_t max = a.one_part ? kMaxBlockOne : kMaxBlock;
   const int64_t n = (p1 - p0 + max - 1) / max, C = a.gs / 4, M = p1 - p0;

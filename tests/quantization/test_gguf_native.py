@@ -341,7 +341,7 @@ def test_bf16_copies_by_default_only_where_they_are_small(every_type_gguf: Path)
 
 
 @pytest.mark.skipif(not OPS.int8_copy_linear_fast(), reason="int8 copies need AVX-512 VNNI")
-def test_the_8bit_head_takes_x_in_one_int8_part_from_the_copy_rows_to_63(every_type_gguf: Path) -> None:
+def test_the_8bit_head_takes_x_in_one_int8_part_from_the_copy_rows_to_one_part_below(every_type_gguf: Path) -> None:
     """head_int8_activations (default): the LM head's bfloat16 calls below its bfloat16 copy's rows take
     the int8 copy with x in two parts, from there up to ONE_PART_BELOW - 1 rows in one part, and
     from ONE_PART_BELOW the bfloat16 copy; no other layer changes; off, the copy takes them all."""

@@ -134,17 +134,20 @@ def unpack_grouped(packed: torch.Tensor, sz: torch.Tensor, out_features: int, bi
 
 
 ONE_PART_BELOW = 512
-"""An LM head's calls from its bfloat16 copy's rows up to this many (exclusive) take the int8 copy with
-x in one part (:meth:`GroupedLinear.use_one_part`). 2 vCPUs (AMD), milliseconds, one part / bfloat16
-copy, after the int8 kernel's block packing (blocks of up to 20 rows): Gemma 3's 262k-row Q8_0 head,
-16 rows 5.5 / 15.2, 64 rows 20.8 / 34.2, 128 rows 42.4 / 60.1, 256 rows 92 / 120, 512 rows 312 / 365;
-SmolLM2's 49k-row head, 16 rows 0.8 / 2.3, 128 rows 6.6 / 10.2, 512 rows 27.3 / 38.1. (Before the
-packing, two parts / one part / bfloat16 copy: 12 rows 12.4 / 5.8 / 12.7, 16 rows 16.0 / 8.4 / 14.6,
-32 rows 29.3 / 16.1 / 20.6, 128 rows 122 / 62.4 / 61.7.) Numerics, on
-768 of Gemma 3's own final hidden states (bfloat16) against float64 products of the same weights:
-logits' rms error 0.041 (max 0.49) with one part, 0.014 (max 0.22) with the bfloat16 copy; 7 and 8
-argmax changes, all at top-2 gaps under 0.13 (the bfloat16 rounding of the logits alone moves a
-top-2 gap of 0.06); a bfloat16 forward pass's logits differ from float32's by 0.15 rms."""
+"""An LM head's calls from its bfloat16 copy's rows up to this many (exclusive) take the int8 copy with x
+in one part (:meth:`GroupedLinear.use_one_part`); below the copy's rows they keep two parts, which hold
+the answers of Hugging Face's bfloat16 model where one part moved a near-tie (at 1 row, one part turned
+SmolLM2's answer to ``tests/test_cli.py``'s France question from "Paris" to "L'Étoile", though it was
+the faster there too: Gemma 3's head 3.6 against 4.4 ms, SmolLM2's 0.29 against 0.36). 2 vCPUs (AMD),
+milliseconds, one part / bfloat16 copy, after the int8 kernel's block packing (blocks of up to 20
+rows): Gemma 3's 262k-row Q8_0 head, 16 rows 5.5 / 15.2, 64 rows 20.8 / 34.2, 128 rows 42.4 / 60.1, 256
+rows 92 / 120, 512 rows 312 / 365; SmolLM2's 49k-row head, 16 rows 0.8 / 2.3, 128 rows 6.6 / 10.2, 512
+rows 27.3 / 38.1. (Before the packing, two parts / one part / bfloat16 copy: 12 rows 12.4 / 5.8 / 12.7,
+16 rows 16.0 / 8.4 / 14.6, 32 rows 29.3 / 16.1 / 20.6, 128 rows 122 / 62.4 / 61.7.) Numerics, on 768 of
+Gemma 3's own final hidden states (bfloat16) against float64 products of the same weights: logits' rms
+error 0.041 (max 0.49) with one part, 0.014 (max 0.22) with the bfloat16 copy; 7 and 8 argmax changes,
+all at top-2 gaps under 0.13 (the bfloat16 rounding of the logits alone moves a top-2 gap of 0.06); a
+bfloat16 forward pass's logits differ from float32's by 0.15 rms."""
 
 
 class GroupedLinear(QuantizedLinear):

@@ -3,7 +3,7 @@ schedules and the bfloat16 copies cost end to end.
 
     python bench/decode_steps.py [--model smollm2-135m-instruct] [--rows 1 4 8 12 16 20 24 32]
                                  [--context 128] [--tokens 40] [--rounds 2] [--bf16-copy-rows N]
-                                 [--no-int8-copies] [--no-head-int8-activations]
+                                 [--no-int8-copies] [--no-head-int8-activations] [--int8-activations]
                                  [--out bench/results/decode_steps.json]
 
 For each row count B: B random prompts of ``--context`` tokens (the same ones every round), greedy,
@@ -11,7 +11,7 @@ For each row count B: B random prompts of ``--context`` tokens (the same ones ev
 its decode-only steps of exactly B sequences (the engine's own StepStats, the first 4 left out),
 and the best of ``--rounds`` rounds. ``--bf16-copy-rows`` as in ``LLM(..., bf16_copy_rows=N)`` (default:
 the model's default), ``--no-int8-copies`` as ``int8_copies=False``, ``--no-head-int8-activations``
-as ``head_int8_activations=False``. Compare two settings or two
+as ``head_int8_activations=False``, ``--int8-activations`` as ``int8_activations=True``. Compare two settings or two
 checkouts by running this for each, alternately.
 Prints a line per row count and writes JSON.
 """
@@ -55,12 +55,14 @@ def main() -> None:
     parser.add_argument("--no-int8-copies", action="store_true", help="as LLM(..., int8_copies=False)")
     parser.add_argument("--no-head-int8-activations", action="store_true",
                         help="as LLM(..., head_int8_activations=False)")
+    parser.add_argument("--int8-activations", action="store_true", help="as LLM(..., int8_activations=True)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "decode_steps.json")
     args = parser.parse_args()
     options = ({} if args.bf16_copy_rows is None else {"bf16_copy_rows": args.bf16_copy_rows}) | (
         {"int8_copies": False} if args.no_int8_copies else {}) | (
-        {"head_int8_activations": False} if args.no_head_int8_activations else {})
+        {"head_int8_activations": False} if args.no_head_int8_activations else {}) | (
+        {"int8_activations": True} if args.int8_activations else {})
     llm = LLM(args.model, device="cpu", **options)
     rng = random.Random(args.seed)
     vocab = llm.model_config.vocab_size
@@ -75,7 +77,7 @@ def main() -> None:
         print(f"{rows:4d} rows: {ms:7.2f} ms a step, {rows / ms * 1000:8.1f} tok/s")
     result = {"model": args.model, "context": args.context, "tokens": args.tokens, "rounds": args.rounds,
               "bf16_copy_rows": args.bf16_copy_rows, "int8_copies": not args.no_int8_copies,
-              "head_int8_activations": not args.no_head_int8_activations,
+              "head_int8_activations": not args.no_head_int8_activations, "int8_activations": args.int8_activations,
               "machine": platform.processor() or platform.machine(),
               "seconds": round(time.perf_counter() - start, 1), "step_ms": best}
     args.out.parent.mkdir(parents=True, exist_ok=True)

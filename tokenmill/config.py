@@ -74,6 +74,12 @@ class LoadConfig(Config):
         "copy by x in one int8 part per group, as llama.cpp does, instead of by the bfloat16 copy: Gemma 3's 262k-row "
         "head 5.5 ms instead of 15.2 at 16 rows, 20.8 instead of 34.2 at 64; logits' rms error 0.04 against the "
         "bfloat16 copy's 0.014 (a bfloat16 forward pass differs from float32 by 0.15)")
+    int8_activations: bool = option(
+        False, "GGUF weights as stored, CPUs with AVX-512 VNNI: every quantized linear keeps an int8 copy (+1 byte "
+        "a weight) and multiplies its bfloat16 calls of 1 (4-bit codes: 8) to 511 rows by x in one int8 part per "
+        "group, as llama.cpp does (Q8 activations): faster where the products bound a step (16 and more streams, "
+        "speculative verification), lossy (the README's table gives its perplexity); off, only the LM head's "
+        "many-row calls do (--head-int8-activations)")
     cache_dir: str | None = option(
         None, "where fetched models and tokenizers are kept (default: $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill)")
 

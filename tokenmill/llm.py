@@ -53,7 +53,7 @@ class LLM:
         engine_config = EngineConfig.from_parts(*engine_parts)
         loaded = load_model(load_config.model, load_config.dtype, load_config.device, load_config.cache_dir)
         apply_copies(loaded.model, load_config.bf16_copy_rows, load_config.int8_copies,
-                     load_config.head_int8_activations)
+                     load_config.head_int8_activations, load_config.int8_activations)
         self.model_name = loaded.source.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

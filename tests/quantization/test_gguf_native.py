@@ -352,8 +352,8 @@ def test_the_8bit_head_takes_x_in_one_int8_part_from_the_copy_rows_to_one_part_b
     head = default.lm_head
     copy, offset = head._int8_copy
     bf16, rows = head._bf16_copy
-    assert isinstance(head, GroupedLinear) and rows == 12 and head._one_part_below == ONE_PART_BELOW
-    assert all(m._one_part_below == 0 for m in default.modules() if isinstance(m, GroupedLinear) and m is not head)
+    assert isinstance(head, GroupedLinear) and rows == 12 and head._one_part_rows == (rows, ONE_PART_BELOW)
+    assert all(m._one_part_rows == (0, 0) for m in default.modules() if isinstance(m, GroupedLinear) and m is not head)
     none = torch.empty(0)
     for m, path in ((rows - 1, "two"), (rows, "one"), (ONE_PART_BELOW - 1, "one"), (ONE_PART_BELOW, "bf16")):
         x = torch.randn(m, head.in_features, generator=torch.Generator().manual_seed(m)).bfloat16()
@@ -519,3 +519,31 @@ def test_bf16_copies_give_the_bfloat16_models_outputs_from_their_rows() -> None:
     prompts = [f"Story {i}: once upon a time" for i in range(12)]
     assert [o.outputs[0].token_ids for o in copied.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
+
+
+@pytest.mark.skipif(not OPS.int8_copy_linear_fast(), reason="int8 copies need AVX-512 VNNI")
+def test_int8_activations_put_every_layer_on_its_int8_copy_in_one_part(every_type_gguf: Path) -> None:
+    """int8_activations: every grouped layer whose int8 copy runs here keeps one and takes its bfloat16
+    calls of 1 (4-bit codes: INT8_ACTIVATIONS_FROM_4BIT) to ONE_PART_BELOW - 1 rows on it, x in one
+    part; a 4-bit layer's fewer rows keep its codes (as without the option), the decode stack's
+    Linear picks the same kernels, and without the option no layer but the head takes one part."""
+    from tokenmill import LLM
+    from tokenmill.quantization.grouped import INT8_ACTIVATIONS_FROM_4BIT, ONE_PART_BELOW, int8_copy_runs
+
+    on = dict(LLM(str(every_type_gguf), device="cpu", int8_activations=True).engine.runner.model.named_modules())
+    off = dict(LLM(str(every_type_gguf), device="cpu").engine.runner.model.named_modules())
+    layers = {n: m for n, m in on.items() if isinstance(m, GroupedLinear) and int8_copy_runs(m, OPS)}
+    assert {m.bits for m in layers.values()} >= {4, 8}
+    assert all(m._one_part_rows == (0, 0) for n, m in off.items() if isinstance(m, GroupedLinear) and n != "lm_head")
+    for name, m in layers.items():
+        start = INT8_ACTIVATIONS_FROM_4BIT if m.bits == 4 else 1
+        assert m._one_part_rows == (start, ONE_PART_BELOW), name
+        copy, offset = m._int8_copy
+        native = m.cpu_kernel_spec().native(OPS)
+        for rows in sorted({1, start - 1, start, 20} - {0}):
+            x = torch.randn(rows, m.in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            want = (OPS.int8_copy_linear(x, copy, m.out_features, m.group_size, offset, torch.empty(0), one_part=True)
+                    if rows >= start else off[name].matmul(x))
+            assert torch.equal(m.matmul(x), want), (name, rows)
+            if m.bias is None:
+                assert torch.equal(native(x), want), (name, rows, "decode stack")

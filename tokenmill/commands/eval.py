@@ -36,7 +36,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.model, args.dtype, args.device, args.cache_dir)
     # scored as LLM and serve compute it
-    apply_copies(loaded.model, args.bf16_copy_rows, args.int8_copies, args.head_int8_activations)
+    apply_copies(loaded.model, args.bf16_copy_rows, args.int8_copies, args.head_int8_activations,
+                 args.int8_activations)
     data = Path(args.data) if args.data else fetch_corpus(args.cache_dir)
     ids = read_tokens(loaded.tokenizer, data, args.max_tokens)
     result = perplexity(loaded.model, ids, context=args.context, stride=args.stride,

@@ -74,6 +74,12 @@ class CpuLinearSpec:
     group (``int8_copy_linear``); else None."""
     int8_copy_offset: int = -1
     """The int8 copy's symmetric code offset (``grouped.symmetric_offset``), -1 where it holds mins."""
+    int8_copy_two_part: bool = True
+    """Whether the int8 copy takes bfloat16 calls below ``bf16_copy_rows`` (outside the one-part rows) with
+    x in two parts; else the codes take them."""
+    int8_one_part_rows: tuple[int, int] = (0, 0)
+    """[from, below): bfloat16 calls of this many rows multiply the int8 copy by x in one int8 part,
+    before the bfloat16 copy's rows apply (``int8_copy_linear(..., one_part=True)``); (0, 0): none."""
 
     def __post_init__(self) -> None:
         if self.kind in (LinearKind.INT8, LinearKind.INT4, LinearKind.GROUPED,
@@ -92,6 +98,9 @@ class CpuLinearSpec:
             raise ValueError("a bfloat16 copy goes with a GROUPED weight and bf16_copy_rows >= 1")
         if self.int8_copy is not None and self.kind is not LinearKind.GROUPED:
             raise ValueError("an int8 copy goes with a GROUPED weight")
+        if self.int8_one_part_rows != (0, 0) and (self.int8_copy is None or not
+                                                  0 < self.int8_one_part_rows[0] < self.int8_one_part_rows[1]):
+            raise ValueError(f"int8_one_part_rows {self.int8_one_part_rows} need an int8 copy and 0 < from < below")
 
     def native(self, ops: ModuleType):
         """This spec as the compiled module ``ops``' ``Linear``, for ``DecodeStack.add_layer``."""
@@ -99,4 +108,6 @@ class CpuLinearSpec:
                           in_features=self.in_features, scales=self.scales, bias=self.bias,
                           group_size=self.group_size, bits=self.bits, offsets=self.offsets,
                           bf16_copy=self.bf16_copy, bf16_copy_rows=self.bf16_copy_rows, int8_copy=self.int8_copy,
-                          int8_copy_offset=self.int8_copy_offset)
+                          int8_copy_offset=self.int8_copy_offset, int8_copy_two_part=self.int8_copy_two_part,
+                          int8_one_part_from=self.int8_one_part_rows[0],
+                          int8_one_part_below=self.int8_one_part_rows[1])

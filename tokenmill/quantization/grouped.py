@@ -171,9 +171,12 @@ class GroupedLinear(QuantizedLinear):
         self._kernel_sz = sz
         self._bf16_copy: tuple[torch.Tensor, int] | None = None  # (bf16_pack'ed weight, from rows)
         self._int8_copy: tuple[torch.Tensor, int] | None = None  # (int8_copy_pack'ed weight, its offset)
-        self._one_part_below = 0
-        """bfloat16 calls the bfloat16 copy would take, of fewer rows than this, take the int8 copy with x
-        in one part (:meth:`use_one_part`)."""
+        self._int8_two_part = False
+        """Whether the int8 copy takes the bfloat16 calls below the bfloat16 copy's rows, x in two parts
+        (:meth:`keep_int8_copy`; else those take the codes)."""
+        self._one_part_rows = (0, 0)
+        """[from, below): bfloat16 calls of this many rows take the int8 copy with x in one part
+        (:meth:`use_one_part`); (0, 0): none."""
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, group_size: int, bits: int,
@@ -207,7 +210,8 @@ class GroupedLinear(QuantizedLinear):
         # a symmetric type's kernel reads its scales alone (the saved sz keeps the (scale, min) layout)
         self._kernel_sz = kernels.aligned(kernels.scales_alone(self.sz, self.bits)) if self._ops else self.sz
         self._bf16_copy = self._int8_copy = None  # copies of the buffers as they were: keep_* make new ones
-        self._one_part_below = 0
+        self._int8_two_part = False
+        self._one_part_rows = (0, 0)
         self._prepared = True
         return self
 
@@ -224,28 +228,30 @@ class GroupedLinear(QuantizedLinear):
         self._bf16_copy = (packed, rows)
         return packed.numel() * packed.element_size()
 
-    def keep_int8_copy(self) -> int:
+    def keep_int8_copy(self, two_part: bool = True) -> int:
         """Also hold the int8 copy (:func:`int8_copy_pack`: the codes one byte each, 4 consecutive
         columns a 32-bit lane, float32 scales), for bfloat16 calls of fewer rows than the bfloat16
         copy's (every bfloat16 call without one): ``int8_copy_linear`` multiplies it by x in two
         int8 parts per row and group (about 16 bits of x beside its group's largest value, closer to
         x than bfloat16 is) on AVX-512 VNNI, twice vdpbf16ps's multiply-adds an instruction with
-        nothing to unpack. -> the bytes it adds (0 where that kernel cannot run here: nothing kept)."""
+        nothing to unpack; without ``two_part``, for :meth:`use_one_part`'s calls alone. -> the bytes it
+        adds (0 where that kernel cannot run here: nothing kept)."""
         if self._ops is None or not int8_copy_runs(self, self._ops):
             return 0
         packed, offset = int8_copy_pack(self.grouped_weight())
         self._int8_copy = (packed, offset)
+        self._int8_two_part = two_part
         return packed.numel() * packed.element_size()
 
-    def use_one_part(self, below_rows: int = ONE_PART_BELOW) -> bool:
-        """bfloat16 calls that the bfloat16 copy would take, of fewer than ``below_rows`` rows, multiply
-        the int8 copy by x in one int8 part per group (llama.cpp's Q8 activations: half the products of
-        two parts, and the bfloat16 copy's vdpbf16ps does as many per instruction as two parts, over
-        twice the bytes). Numerics: see :data:`ONE_PART_BELOW`. -> whether it applies (an int8 copy and a
-        bfloat16 copy kept)."""
-        if self._int8_copy is None or self._bf16_copy is None:
+    def use_one_part(self, below_rows: int = ONE_PART_BELOW, from_rows: int | None = None) -> bool:
+        """bfloat16 calls of ``from_rows`` (default: the bfloat16 copy's rows, those it would take) to
+        ``below_rows`` - 1 rows multiply the int8 copy by x in one int8 part per group (llama.cpp's Q8
+        activations: half the products of two parts, and the bfloat16 copy's vdpbf16ps does as many per
+        instruction as two parts, over twice the bytes). Numerics: see :data:`ONE_PART_BELOW`. ->
+        whether it applies (an int8 copy kept, and a bfloat16 copy without ``from_rows``)."""
+        if self._int8_copy is None or (from_rows is None and self._bf16_copy is None):
             return False
-        self._one_part_below = below_rows
+        self._one_part_rows = (self._bf16_copy[1] if from_rows is None else from_rows, below_rows)
         return True
 
     def _copy_for(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -269,8 +275,9 @@ class GroupedLinear(QuantizedLinear):
             return F.linear(x, self.dequantize().to(device=x.device, dtype=x.dtype))
         rows = x.shape[0] if kernel_rows is None else kernel_rows
         copy = self._copy_for(x, rows)
-        one_part = copy is not None and rows < self._one_part_below
-        if (copy is None or one_part) and self._int8_copy is not None and x.dtype == torch.bfloat16:
+        bf16 = x.dtype == torch.bfloat16
+        one_part = bf16 and self._one_part_rows[0] <= rows < self._one_part_rows[1]
+        if self._int8_copy is not None and (one_part or (bf16 and copy is None and self._int8_two_part)):
             packed, offset = self._int8_copy
             return self._ops.int8_copy_linear(x.contiguous(), packed, self.out_features, self.group_size, offset,
                                               _NO_BIAS, out_float32=out_float32, one_part=one_part)
@@ -295,7 +302,8 @@ class GroupedLinear(QuantizedLinear):
         return CpuLinearSpec(kind=LinearKind.GROUPED, weight=self.packed, out_features=self.out_features,
                              in_features=self.in_features, scales=self._kernel_sz, bias=self.bias,
                              group_size=self.group_size, bits=self.bits, bf16_copy=copy, bf16_copy_rows=rows,
-                             int8_copy=int8_copy, int8_copy_offset=offset)
+                             int8_copy=int8_copy, int8_copy_offset=offset, int8_copy_two_part=self._int8_two_part,
+                             int8_one_part_rows=self._one_part_rows if int8_copy is not None else (0, 0))
 
     def dequantize(self) -> torch.Tensor:
         return self.grouped_weight().dequantize()
@@ -367,16 +375,25 @@ def keep_int8_copies(model: torch.nn.Module, bits: tuple[int, ...] = INT8_COPY_B
 
 
 def apply_copies(model: torch.nn.Module, bf16_copy_rows: int | None = None, int8_copies: bool = True,
-                 head_int8_activations: bool = True) -> int:
-    """What ``LoadConfig.bf16_copy_rows`` and ``int8_copies`` ask of a loaded ``model``: bfloat16 copies
-    for calls of ``bf16_copy_rows`` rows or more (None: each layer's default, where
-    :func:`auto_bf16_copies` finds them small; 0: none), and with ``int8_copies`` the 8-bit layers'
-    int8 copies for the calls below those rows, wherever the bfloat16 copies are kept (so 0 keeps the
-    model at its file's size), and with ``head_int8_activations`` and the default rows the LM head's
-    one-part calls (:meth:`GroupedLinear.use_one_part`). Logs what it kept. -> the bytes added."""
+                 head_int8_activations: bool = True, int8_activations: bool = False) -> int:
+    """What ``LoadConfig.bf16_copy_rows``, ``int8_copies``, ``head_int8_activations`` and
+    ``int8_activations`` ask of a loaded ``model``: bfloat16 copies for calls of ``bf16_copy_rows``
+    rows or more (None: each layer's default, where :func:`auto_bf16_copies` finds them small; 0:
+    none), and with ``int8_copies`` the 8-bit layers' int8 copies for the calls below those rows,
+    wherever the bfloat16 copies are kept (so 0 keeps the model at its file's size), and with
+    ``head_int8_activations`` and the default rows the LM head's one-part calls
+    (:meth:`GroupedLinear.use_one_part`); with ``int8_activations``, :func:`use_int8_activations`
+    whatever the copies. Logs what it kept. -> the bytes added."""
     rows = bf16_copy_rows
-    if not (rows or (rows is None and auto_bf16_copies(model))):
-        return 0
+    added = 0
+    if rows or (rows is None and auto_bf16_copies(model)):
+        added += _keep_copies(model, rows, int8_copies, head_int8_activations)
+    if int8_activations:
+        added += use_int8_activations(model)
+    return added
+
+
+def _keep_copies(model: torch.nn.Module, rows: int | None, int8_copies: bool, head_int8_activations: bool) -> int:
     added = keep_bf16_copies(model, rows)
     if added:
         logger.info("bfloat16 copies of the quantized linears for calls of %s rows or more: %.1f MiB",
@@ -392,4 +409,30 @@ def apply_copies(model: torch.nn.Module, bf16_copy_rows: int | None = None, int8
         if head_int8_activations and rows is None and isinstance(head, GroupedLinear) and head.use_one_part():
             logger.info("LM head: bfloat16 calls of %d to %d rows on its int8 copy, x in one int8 part",
                         head._bf16_copy[1], ONE_PART_BELOW - 1)
+    return added
+
+
+INT8_ACTIVATIONS_FROM_4BIT = 8
+"""With ``int8_activations``, 4-bit layers take their one-part calls from this many rows: below it
+their codes (half a byte a weight against the copy's one) stream faster than the copy computes.
+SmolLM2's 120 Q4_1 linears streamed one pass each, ms, codes / one part: 1 row 2.64 / 3.26, 4 rows
+3.08 / 3.69, 8 rows 4.28 / 4.07, 16 rows 8.53 / 5.84; Gemma 3's 72 linears (mostly 5-bit), 1 row
+2.73 / 2.46, 16 rows 7.99 / 5.23 (2 vCPUs, AMD)."""
+
+
+def use_int8_activations(model: torch.nn.Module) -> int:
+    """``LoadConfig.int8_activations``: every grouped layer whose int8 copy runs here keeps one and
+    takes its bfloat16 calls of 1 (4-bit codes: :data:`INT8_ACTIVATIONS_FROM_4BIT`) to
+    :data:`ONE_PART_BELOW` - 1 rows on it with x in one int8 part per group, as llama.cpp computes
+    (Q8 activations): lossy, faster where the products bound a step. -> the bytes added."""
+    added = layers = 0
+    for m in model.modules():
+        if not isinstance(m, GroupedLinear):
+            continue
+        if m._int8_copy is None:
+            added += m.keep_int8_copy(two_part=False)
+        layers += m.use_one_part(ONE_PART_BELOW, from_rows=INT8_ACTIVATIONS_FROM_4BIT if m.bits == 4 else 1)
+    if layers:
+        logger.info("int8 activations: %d quantized linears take bfloat16 calls below %d rows on int8 copies "
+                    "(+%.1f MiB), x in one int8 part", layers, ONE_PART_BELOW, added / 2**20)
     return added

@@ -262,17 +262,24 @@ struct Linear {
   // or -1), which the other bfloat16 calls multiply by (undefined: none)
   at::Tensor int8_copy;
   int64_t int8_offset = -1;
+  // whether the int8 copy takes the other bfloat16 calls below copy_rows, x in two parts (else the codes)
+  bool int8_two_part = true;
+  // bfloat16 calls of one_part_from .. one_part_below - 1 rows take the int8 copy with x in one int8
+  // part, before the bfloat16 copy (0, 0: none)
+  int64_t one_part_from = 0, one_part_below = 0;
 
   Linear() = default;
   Linear(LinearKind kind_, at::Tensor weight_, int64_t out_features_, int64_t in_features_,
          std::optional<at::Tensor> scales_, std::optional<at::Tensor> bias_, int64_t group_size_,
          int64_t bits_, std::optional<at::Tensor> offsets_, std::optional<at::Tensor> bf16_copy_,
-         int64_t copy_rows_, std::optional<at::Tensor> int8_copy_, int64_t int8_offset_)
+         int64_t copy_rows_, std::optional<at::Tensor> int8_copy_, int64_t int8_offset_, bool int8_two_part_,
+         int64_t one_part_from_, int64_t one_part_below_)
       : kind(kind_), weight(std::move(weight_)), scales(scales_ ? *scales_ : at::Tensor()),
         bias(bias_ ? *bias_ : at::Tensor()), offsets(offsets_ ? *offsets_ : at::Tensor()),
         out_features(out_features_), in_features(in_features_), group_size(group_size_), bits(bits_),
         bf16_copy(bf16_copy_ ? *bf16_copy_ : at::Tensor()), copy_rows(copy_rows_),
-        int8_copy(int8_copy_ ? *int8_copy_ : at::Tensor()), int8_offset(int8_offset_) {
+        int8_copy(int8_copy_ ? *int8_copy_ : at::Tensor()), int8_offset(int8_offset_), int8_two_part(int8_two_part_),
+        one_part_from(one_part_from_), one_part_below(one_part_below_) {
     const bool grouped = kind == LinearKind::Int4 || kind == LinearKind::Grouped;
     TORCH_CHECK(weight.defined() && out_features > 0 && in_features > 0,
                 "Linear: a weight, out_features and in_features are required");
@@ -288,12 +295,18 @@ struct Linear {
     TORCH_CHECK(bf16_copy.defined() == (copy_rows > 0) && (!bf16_copy.defined() || kind == LinearKind::Grouped),
                 "Linear: a bfloat16 copy goes with a GROUPED weight and copy_rows >= 1");
     TORCH_CHECK(!int8_copy.defined() || kind == LinearKind::Grouped, "Linear: an int8 copy goes with a GROUPED weight");
+    TORCH_CHECK(one_part_below == 0 || (int8_copy.defined() && 0 < one_part_from && one_part_from < one_part_below),
+                "Linear: one-part rows need an int8 copy and 0 < from < below");
   }
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (one_part_below > 0 && x.size(0) >= one_part_from && x.size(0) < one_part_below &&
+        x.scalar_type() == at::kBFloat16)
+      return int8_copy_linear(x, int8_copy, out_features, group_size, int8_offset,
+                              bias.defined() ? bias : at::Tensor(), false, true);
     if (copy_rows > 0 && x.size(0) >= copy_rows && x.scalar_type() == at::kBFloat16)
       return bf16_packed_linear(x, bf16_copy, out_features, bias.defined() ? bias : at::Tensor());
-    if (int8_copy.defined() && x.scalar_type() == at::kBFloat16)
+    if (int8_copy.defined() && int8_two_part && x.scalar_type() == at::kBFloat16)
       return int8_copy_linear(x, int8_copy, out_features, group_size, int8_offset,
                               bias.defined() ? bias : at::Tensor());
     switch (kind) {
@@ -778,11 +791,14 @@ void bind_decoder(pybind11::module& m) {
   py::class_<Linear>(m, "Linear", "one linear layer of a DecodeStack")
       .def(py::init<LinearKind, at::Tensor, int64_t, int64_t, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, int64_t, int64_t, std::optional<at::Tensor>,
-                    std::optional<at::Tensor>, int64_t, std::optional<at::Tensor>, int64_t>(),
+                    std::optional<at::Tensor>, int64_t, std::optional<at::Tensor>, int64_t, bool, int64_t,
+                    int64_t>(),
            py::kw_only(), py::arg("kind"), py::arg("weight"), py::arg("out_features"), py::arg("in_features"),
            py::arg("scales") = py::none(), py::arg("bias") = py::none(), py::arg("group_size") = 0,
            py::arg("bits") = 0, py::arg("offsets") = py::none(), py::arg("bf16_copy") = py::none(),
-           py::arg("bf16_copy_rows") = 0, py::arg("int8_copy") = py::none(), py::arg("int8_copy_offset") = -1)
+           py::arg("bf16_copy_rows") = 0, py::arg("int8_copy") = py::none(), py::arg("int8_copy_offset") = -1,
+           py::arg("int8_copy_two_part") = true, py::arg("int8_one_part_from") = 0,
+           py::arg("int8_one_part_below") = 0)
       .def("__call__", &Linear::operator(), py::call_guard<py::gil_scoped_release>(), py::arg("x"),
            "y = x W^T (+ bias) [M, out_features], as DecodeStack.run multiplies by this layer")
       .def_property_readonly("kind", [](const Linear& l) { return l.kind; })

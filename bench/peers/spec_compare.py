@@ -18,8 +18,8 @@ Each server runs alone (one at a time, never two sharing the cores) and is stopp
 sweep. Requests: the workload's prompt as one user message to /v1/chat/completions (each server
 applies the GGUF's chat template), greedy, ``--output-len`` tokens with EOS ignored, streamed.
 Output tok/s and TPOT p50 per (workload, concurrency); the ratio of each server's speculation
-to its own off, and tokenmill's to llama.cpp's. With --scrape-metrics tokenmill's acceptance is
-read from /metrics. Writes JSON and markdown under bench/results/peers/.
+to its own off, and tokenmill's to llama.cpp's (acceptance rates come from bench/speculative.py,
+which reads the engine's counters). Writes JSON and markdown under bench/results/peers/.
 """
 
 from __future__ import annotations

@@ -394,6 +394,8 @@ def apply_copies(model: torch.nn.Module, bf16_copy_rows: int | None = None, int8
 
 
 def _keep_copies(model: torch.nn.Module, rows: int | None, int8_copies: bool, head_int8_activations: bool) -> int:
+    """:func:`apply_copies` where the bfloat16 copies are kept: them, the 8-bit layers' int8 copies and
+    the head's one part. -> the bytes added."""
     added = keep_bf16_copies(model, rows)
     if added:
         logger.info("bfloat16 copies of the quantized linears for calls of %s rows or more: %.1f MiB",

@@ -666,10 +666,10 @@ def test_verification_reads_the_steps_logits_in_place():
     """A step's drafting sequences verify on the step's own logits rows: a view where their rows are a
     run (a 64-stream verification of Gemma 3 is 300 MB of logits: copying them, twice, took longer
     than the forward pass), one gather where plain rows sit between them."""
-    from tokenmill.engine.sampler import take_rows as _rows
+    from tokenmill.engine.sampler import take_rows
 
     logits = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-    run = _rows(logits, [1, 2, 3])
+    run = take_rows(logits, [1, 2, 3])
     assert run.data_ptr() == logits[1].data_ptr() and torch.equal(run, logits[1:4])
-    assert torch.equal(_rows(logits, [0, 2, 5]), logits[[0, 2, 5]]) and _rows(logits, []).shape == (0, 4)
-    assert _rows(logits, list(range(6))).data_ptr() == logits.data_ptr()
+    assert torch.equal(take_rows(logits, [0, 2, 5]), logits[[0, 2, 5]]) and take_rows(logits, []).shape == (0, 4)
+    assert take_rows(logits, list(range(6))).data_ptr() == logits.data_ptr()

@@ -303,7 +303,7 @@ class GroupedLinear(QuantizedLinear):
                              in_features=self.in_features, scales=self._kernel_sz, bias=self.bias,
                              group_size=self.group_size, bits=self.bits, bf16_copy=copy, bf16_copy_rows=rows,
                              int8_copy=int8_copy, int8_copy_offset=offset, int8_copy_two_part=self._int8_two_part,
-                             int8_one_part_rows=self._one_part_rows if int8_copy is not None else (0, 0))
+                             int8_one_part_rows=self._one_part_rows)
 
     def dequantize(self) -> torch.Tensor:
         return self.grouped_weight().dequantize()

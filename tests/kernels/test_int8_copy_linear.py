@@ -10,6 +10,7 @@ import torch
 
 from tests.kernel_utils import require_kernels
 from tokenmill.loading.gguf_groups import GroupedWeight
+from tokenmill.quantization import kernels
 from tokenmill.quantization.grouped import int8_copy_pack, symmetric_offset
 
 ops = require_kernels()
@@ -18,13 +19,23 @@ LARGEST = {4: 15, 5: 31, 7: 63, 8: 255}
 NONE = torch.empty(0)
 
 
-def _weight(n: int, k: int, gs: int, bits: int, offset: int | None, seed: int) -> GroupedWeight:
-    """Random codes over the full range; mins of both signs, or -offset * scale (a symmetric type)."""
+def _weight(n: int, k: int, gs: int, bits: int, offset: int | None, seed: int, half: bool = False) -> GroupedWeight:
+    """Random codes over the full range; mins of both signs, or -offset * scale (a symmetric type);
+    ``half``: scales and mins that are float16 values, as GGUF's Q4_0 .. Q8_0 store them."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, LARGEST[bits] + 1, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.randn(n, k // gs, generator=g) * 0.02
-    mins = torch.randn(n, k // gs, generator=g) * 0.01 * LARGEST[bits] if offset is None else -offset * scale
-    return GroupedWeight(codes, scale, mins, gs, bits)
+    mins = torch.randn(n, k // gs, generator=g) * 0.01 * LARGEST[bits]
+    if half:
+        scale, mins = scale.half().float(), mins.half().float()
+    return GroupedWeight(codes, scale, mins if offset is None else -offset * scale, gs, bits)
+
+
+def _widened(copy: torch.Tensor, gs: int) -> torch.Tensor:
+    """A copy with float16 scales (and mins) laid out again with the same values as float32."""
+    codes, fields = copy[..., :16 * gs], copy[..., 16 * gs:].contiguous()
+    wide = fields.view(torch.float16).float().contiguous().view(torch.uint8)
+    return kernels.aligned(torch.cat([codes, wide], dim=2))
 
 
 def _reference(x: torch.Tensor, w: GroupedWeight, one_part: bool = False) -> torch.Tensor:
@@ -45,7 +56,7 @@ def _reference(x: torch.Tensor, w: GroupedWeight, one_part: bool = False) -> tor
 
 CASES = [  # n, k, group size, bits, symmetric offset (None: mins)
     (40, 256, 32, 4, None), (40, 256, 32, 4, 8), (33, 192, 32, 5, 16), (50, 128, 32, 8, 128),
-    (24, 256, 16, 7, 32), (17, 96, 16, 5, None)]
+    (24, 256, 16, 7, 32), (17, 96, 16, 5, None), (40, 96, 32, 8, 128)]
 
 
 @pytest.mark.parametrize("n,k,gs,bits,offset", CASES)
@@ -74,10 +85,29 @@ def test_int8_copy_matches_the_reference_of_its_quantized_x(n, k, gs, bits, offs
     assert rounded < (_reference(x, w, one_part=True) - exact).abs().max() < 8 * rounded
 
 
+@pytest.mark.parametrize("n,k,gs,bits,offset", CASES)
+def test_float16_scales_are_kept_as_float16_and_give_the_same_bits(n, k, gs, bits, offset) -> None:
+    """Scales (and mins) that are float16 values are packed as float16: 32 bytes less per group and
+    field. The kernel reads the same values from them: every output equals the float32 layout's, on
+    both paths, one part and two, at row counts of one block, the largest blocks and two panels."""
+    fields = 1 if offset is not None else 2
+    copy, off = int8_copy_pack(_weight(n, k, gs, bits, offset, seed=11, half=True))
+    assert copy.shape[2] == 16 * gs + 32 * fields
+    assert int8_copy_pack(_weight(n, k, gs, bits, offset, seed=11))[0].shape[2] == 16 * gs + 64 * fields
+    wide = _widened(copy, gs)
+    for m in (1, 5, 12, 20, 130):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16() * 3
+        for one_part in (False, True):
+            for path in (ops.KernelPath.FASTEST, ops.KernelPath.PORTABLE):
+                half = ops.int8_copy_linear(x, copy, n, gs, off, NONE, one_part=one_part, path=path)
+                assert torch.equal(half, ops.int8_copy_linear(x, wide, n, gs, off, NONE, one_part=one_part, path=path))
+
+
 @needs_vnni
 @pytest.mark.parametrize("n,k,gs,bits,offset", CASES)
-def test_int8_copy_vector_path_equals_the_portable_one(n, k, gs, bits, offset) -> None:
-    w = _weight(n, k, gs, bits, offset, seed=7)
+@pytest.mark.parametrize("half", [False, True])
+def test_int8_copy_vector_path_equals_the_portable_one(n, k, gs, bits, offset, half) -> None:
+    w = _weight(n, k, gs, bits, offset, seed=7, half=half)
     copy, off = int8_copy_pack(w)
     for m in (1, 3, 12, 16, 29):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()

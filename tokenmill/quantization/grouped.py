@@ -90,7 +90,9 @@ def int8_copy_pack(weight: GroupedWeight) -> tuple[torch.Tensor, int]:
     """A grouped weight [N, K] -> (copy, offset) for ``int8_copy_linear`` (kernels/cpu/int8_copy_linear.cpp):
     uint8 [ceil(N / 16), K / gs, 16 gs + 64 or 128], per tile of 16 rows and group of gs columns the
     codes with 4 consecutive columns of a row per 32-bit lane, then the 16 scales (float32), then the
-    16 mins unless the weight is symmetric (``offset`` = :func:`symmetric_offset` >= 0; else -1)."""
+    16 mins unless the weight is symmetric (``offset`` = :func:`symmetric_offset` >= 0; else -1).
+    Where every scale (and min) kept is a float16 exactly (GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0),
+    they are kept as float16 instead: 16 gs + 32 or 64 bytes a group, the same products."""
     n, k = weight.shape
     gs, groups = weight.group_size, k // weight.group_size
     if gs % 4:
@@ -101,10 +103,12 @@ def int8_copy_pack(weight: GroupedWeight) -> tuple[torch.Tensor, int]:
     if pad:
         fields = tuple(F.pad(t, (0, 0, 0, pad)) for t in fields)
     codes, scale, min_ = fields
+    kept = (scale,) if offset >= 0 else (scale, min_)
+    dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in kept) else torch.float32
     parts = [codes.view(tiles, ROW_TILE, groups, gs // 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)]
-    for t in (scale,) if offset >= 0 else (scale, min_):
-        parts.append(t.view(tiles, ROW_TILE, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
-                     .reshape(tiles, groups, 4 * ROW_TILE))
+    for t in kept:
+        parts.append(t.view(tiles, ROW_TILE, groups).permute(0, 2, 1).to(dtype).contiguous().view(torch.uint8)
+                     .reshape(tiles, groups, dtype.itemsize * ROW_TILE))
     return kernels.aligned(torch.cat(parts, dim=2)), offset
 
 

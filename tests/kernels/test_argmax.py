@@ -44,6 +44,25 @@ def test_ties_nan_infinities_and_zeros_as_torch():
     _check(x)
 
 
+def test_one_row_split_among_threads_finds_the_first_of_equals_and_the_first_nan():
+    """A single row (a batch-1 step) is searched in parts, one per thread: ties and NaNs that fall
+    in different parts, and a largest value only in the last part's short tail, as torch finds them."""
+    v = 262144 + 37
+    x = torch.randn(1, v, generator=torch.Generator().manual_seed(1))
+    for where in ([5, v // 2 + 3], [v // 2 + 3, v - 1], [v - 1], [0], [v // 2 - 1, v // 2]):
+        row = x.clone()
+        row[0, where] = 50.0
+        _check(row)
+    for where in ([v - 2], [7, v - 2], [v // 2 + 1]):
+        row = x.clone()
+        row[0, where] = float("nan")
+        row[0, 3] = float("inf")
+        _check(row)
+    _check(torch.full((1, v), float("-inf")))
+    for row in torch.randn(4, 8200, generator=torch.Generator().manual_seed(2)):
+        _check(row[None])
+
+
 def test_non_contiguous_rows_and_bad_input():
     x = torch.randn(6, 64)[::2]
     _check(x)

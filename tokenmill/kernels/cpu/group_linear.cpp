@@ -474,20 +474,25 @@ inline int fixed_offset(int bits) { return bits == 7 ? 32 : code_offset(bits); }
 // How far ahead (in chunks of 32 bytes) the fixed-point schedule prefetches its codes.
 constexpr int64_t kPrefetch = 16;
 
-// x in fixed point: xi [M, K] int16, and per group its sum sxi, the factor 2^-s and sx = sxi 2^-s.
+// x in fixed point: xi [M, K] int16, and per group its sum sxi, the factor 2^-s and sx = sxi 2^-s,
+// in one allocation (a decode step makes a call of this per linear, and a tile reads the pointers).
 struct FixedX {
-  at::Tensor xi, sxi, f, sx;
+  at::Tensor storage;
+  int16_t* xi;
+  int32_t* sxi;
+  float* f;
+  float* sx;
 };
 
 FixedX fixed_x(const uint16_t* xh, int64_t M, int64_t K, int64_t gs) {
-  const int64_t G = K / gs;
-  const auto opts = at::TensorOptions().device(at::kCPU);
-  FixedX fx{at::empty({M, K}, opts.dtype(at::kShort)), at::empty({M, G}, opts.dtype(at::kInt)),
-            at::empty({M, G}, opts.dtype(at::kFloat)), at::empty({M, G}, opts.dtype(at::kFloat))};
-  auto* xi = fx.xi.data_ptr<int16_t>();
-  auto* sxi = fx.sxi.data_ptr<int32_t>();
-  auto* f = fx.f.data_ptr<float>();
-  auto* sx = fx.sx.data_ptr<float>();
+  const int64_t G = K / gs, xi_bytes = (2 * M * K + 63) / 64 * 64;
+  FixedX fx;
+  fx.storage = at::empty({xi_bytes + 12 * M * G}, at::dtype(at::kByte));
+  uint8_t* base = fx.storage.data_ptr<uint8_t>();
+  auto* xi = fx.xi = reinterpret_cast<int16_t*>(base);
+  auto* sxi = fx.sxi = reinterpret_cast<int32_t*>(base + xi_bytes);
+  auto* f = fx.f = reinterpret_cast<float*>(sxi + M * G);
+  auto* sx = fx.sx = f + M * G;
   const auto* xb = reinterpret_cast<const c10::BFloat16*>(xh);
   const auto pow2 = [](int e) {  // 2^e for e in [-126, 127]
     const uint32_t bits = static_cast<uint32_t>(127 + e) << 23;
@@ -570,10 +575,10 @@ void strip_rows_fixed(const Problem<S>& p, const FixedX& fx, int64_t t0, int64_t
   const uint8_t* wt = p.w + t0 * tile_bytes;
   const S* szt = p.sz + t0 * p.G * p.zs;
   const int o = fixed_offset(p.bits);
-  const int16_t* xi = fx.xi.data_ptr<int16_t>() + m0 * p.K;
-  const int32_t* sxi = fx.sxi.data_ptr<int32_t>() + m0 * p.G;
-  const float* f = fx.f.data_ptr<float>() + m0 * p.G;
-  const float* sx = fx.sx.data_ptr<float>() + m0 * p.G;
+  const int16_t* xi = fx.xi + m0 * p.K;
+  const int32_t* sxi = fx.sxi + m0 * p.G;
+  const float* f = fx.f + m0 * p.G;
+  const float* sx = fx.sx + m0 * p.G;
   __m512 res[MB][NT];
 #pragma GCC unroll 8
   for (int r = 0; r < MB; ++r)

@@ -66,6 +66,7 @@ def test_one_row_split_among_threads_finds_the_first_of_equals_and_the_first_nan
 def test_non_contiguous_rows_and_bad_input():
     x = torch.randn(6, 64)[::2]
     _check(x)
+    _check(torch.empty(0, 64))  # a step that samples nothing
     with pytest.raises(RuntimeError, match="float32"):
         ops.argmax_rows(torch.randn(2, 8).bfloat16())
     with pytest.raises(RuntimeError, match="float32"):

@@ -108,6 +108,7 @@ at::Tensor argmax_rows(at::Tensor x, KernelPath path) {
   const auto xc = x.contiguous();
   const int64_t B = xc.size(0), V = xc.size(1);
   auto out = at::empty({B}, at::dtype(at::kLong));
+  if (B == 0) return out;
   const float* xp = xc.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   const bool portable = is_portable(path);

@@ -4,6 +4,7 @@ and every request that ends (finished, failed, expired, aborted) leaves no KV bl
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 from tokenmill import SamplingParams
@@ -35,6 +36,7 @@ def run(engine: AsyncEngine, scenario) -> None:
 
     asyncio.run(main())
     assert engine.engines["m"].num_used_blocks == 0 and not engine.engines["m"].has_unfinished_requests()
+    assert gc.get_freeze_count() == 0  # a thread of its own (embedded use): the host's collector is left alone
 
 
 def test_bad_request_and_deadline_do_not_stop_the_loop(tiny_llm) -> None:
@@ -148,12 +150,16 @@ def test_run_here_steps_in_the_calling_thread_until_stop(tiny_llm) -> None:
         asyncio.run(main())
 
     engine.will_run_here()
+    gc.unfreeze()
     try:
         http = threading.Thread(target=http_side, name="http-side")
         http.start()
         engine.run_here()  # returns once http_side called stop()
         http.join(10)
+        # the objects alive when it started serving (the model among them) are out of the collector's reach
+        assert gc.get_freeze_count() > 0
     finally:
+        gc.unfreeze()
         del tiny_llm.engine.step
     assert not http.is_alive() and not engine.alive
     assert stepping_threads == {threading.current_thread().name}

@@ -96,7 +96,8 @@ at::Tensor grouped_codes_linear(const at::Tensor& x, const at::Tensor& packed, c
                                    KernelPath path);
 
 // int8_copy_linear.cpp: a grouped weight's int8 copy (codes one byte each, 4 k per 32-bit lane,
-// float32 scales, and mins unless offset >= 0 (w = (code - offset) scale): tokenmill.quantization.
+// float32 scales, or float16 where each is one exactly, and mins unless offset >= 0 (w = (code -
+// offset) scale): tokenmill.quantization.
 // grouped.int8_copy_pack) times x in two int8 parts per row and group, on vpdpbusd (AVX-512 VNNI).
 // out_float32 with bfloat16 x: the outputs rounded to bfloat16, stored as float32; float32 x gives
 // float32 outputs, unrounded. one_part: x in one int8 part (llama.cpp's Q8 activations), half the

@@ -165,3 +165,39 @@ def test_run_here_steps_in_the_calling_thread_until_stop(tiny_llm) -> None:
     assert stepping_threads == {threading.current_thread().name}
     assert len(results) == 1 and len(results[0].outputs[0].token_ids) == GREEDY.max_tokens
     assert tiny_llm.engine.num_used_blocks == 0
+
+
+def test_a_model_detached_from_a_served_process_is_freed(tiny_dir, tiny_llm) -> None:
+    """``run_here`` freezes what is alive once warm (out of the collector's reach); a model detached
+    later is unfrozen and collected with it, its reference cycles included, not kept frozen forever."""
+    import threading
+    import weakref
+
+    from tokenmill import LLM
+
+    other = LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=2, kv_cache_memory=16 * 16 * 2 * 2 * 2 * 32 * 4)
+    other.engine.cycle = other.engine  # freed by the cyclic collector only
+    gone = weakref.ref(other.engine)
+    engine = AsyncEngine({"m": tiny_llm.engine, "gone": other.engine})
+    del other
+
+    def http_side() -> None:
+        async def main() -> None:
+            assert await engine.detach("gone") == 0
+            engine.stop()
+
+        while not engine.alive:
+            time.sleep(0.01)
+        asyncio.run(main())
+
+    engine.will_run_here()
+    gc.unfreeze()
+    try:
+        http = threading.Thread(target=http_side, name="http-side")
+        http.start()
+        engine.run_here()
+        http.join(10)
+        gc.collect()
+        assert gone() is None and list(engine.engines) == ["m"]
+    finally:
+        gc.unfreeze()

@@ -45,9 +45,11 @@ failed warm-up is logged and the loop serves anyway (requests then fail with the
 
 Garbage collection: where this loop runs the process (``run_here``), every object alive once the
 models are loaded and warm, a quarter million of them for one model, is moved out of the collector's
-reach (``gc.freeze``), and again after a model is attached at runtime. A full collection of them took
-50-100 ms, each one a stall of every stream's next token; after the freeze a collection walks only
-what serving allocated since. Embedded use (``start()``) leaves the host process's collector alone.
+reach (``gc.freeze``), and again whenever a model is attached or detached at runtime (unfrozen,
+collected, frozen: a detached model's reference cycles are freed, not kept frozen forever). A full
+collection of them took 10-100 ms while loading, each one during serving a stall of every stream's
+next token; after the freeze a collection walks only what serving allocated since. Embedded use
+(``start()``) leaves the host process's collector alone.
 """
 
 from __future__ import annotations
@@ -227,6 +229,7 @@ class AsyncEngine:
                 self._finish_with_error(request_id, "model_unloaded", f"the model {name!r} was unloaded")
             self.engines = {n: e for n, e in self.engines.items() if n != name}
             self.snapshots.pop(name, None)
+            self._freeze_garbage_collection()
             return len(ended)
         return await self.call(unload)
 
@@ -284,8 +287,11 @@ class AsyncEngine:
 
     def _freeze_garbage_collection(self) -> None:
         """Where this loop runs the process (``run_here``): every object alive now (the models, their
-        modules and weights' wrappers, the app) out of the collector's reach; see the module docstring."""
+        modules and weights' wrappers, the app) out of the collector's reach, after one full collection
+        of everything, the earlier frozen objects included (a detached model's cycles go then); see the
+        module docstring."""
         if self._driven_here:
+            gc.unfreeze()
             gc.collect()
             gc.freeze()
 

@@ -118,6 +118,40 @@ def test_n_samples_arrive_together(tiny_llm) -> None:
     run(engine, scenario)
 
 
+def serve_here(engine: AsyncEngine, http_main) -> int:
+    """As ``tokenmill serve`` runs: the engine steps in this thread (``run_here``) while a second
+    thread runs ``http_main()`` (a coroutine function) on its own event loop, then stops the engine
+    (also when http_main failed: its error is raised here) -> the collector's freeze count once
+    run_here returned (unfrozen after)."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def http_side() -> None:
+        while not engine.alive:
+            time.sleep(0.01)
+        try:
+            asyncio.run(http_main())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            errors.append(exc)
+        finally:
+            engine.stop()
+
+    engine.will_run_here()
+    gc.unfreeze()
+    try:
+        http = threading.Thread(target=http_side, name="http-side")
+        http.start()
+        engine.run_here()  # returns once http_main called stop()
+        http.join(10)
+        if errors:
+            raise errors[0]
+        assert not http.is_alive() and not engine.alive
+        return gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+
+
 def test_run_here_steps_in_the_calling_thread_until_stop(tiny_llm) -> None:
     """``tokenmill serve`` steps the engine in the main thread (where the model was loaded: one
     OpenMP pool) and serves HTTP from another: requests from that other thread's event loop are
@@ -135,33 +169,19 @@ def test_run_here_steps_in_the_calling_thread_until_stop(tiny_llm) -> None:
     tiny_llm.engine.step = recording_step
     results: list[RequestOutput] = []
 
-    def http_side() -> None:
-        async def main() -> None:
-            engine.start()  # what the app's lifespan does: nothing here
-            queue: asyncio.Queue = asyncio.Queue()
-            engine.add("m", "here-1", [5, 6, 7], GREEDY, queue, time.monotonic() + 30)
-            update, output = await last_update(queue)
-            assert update.error is None
-            results.append(output)
-            engine.stop()
+    async def http_main() -> None:
+        engine.start()  # what the app's lifespan does: nothing here
+        queue: asyncio.Queue = asyncio.Queue()
+        engine.add("m", "here-1", [5, 6, 7], GREEDY, queue, time.monotonic() + 30)
+        update, output = await last_update(queue)
+        assert update.error is None
+        results.append(output)
 
-        while not engine.alive:
-            time.sleep(0.01)
-        asyncio.run(main())
-
-    engine.will_run_here()
-    gc.unfreeze()
     try:
-        http = threading.Thread(target=http_side, name="http-side")
-        http.start()
-        engine.run_here()  # returns once http_side called stop()
-        http.join(10)
-        # the objects alive when it started serving (the model among them) are out of the collector's reach
-        assert gc.get_freeze_count() > 0
+        frozen = serve_here(engine, http_main)
     finally:
-        gc.unfreeze()
         del tiny_llm.engine.step
-    assert not http.is_alive() and not engine.alive
+    assert frozen > 0  # the objects alive when it started serving (the model among them) are out of the collector's reach
     assert stepping_threads == {threading.current_thread().name}
     assert len(results) == 1 and len(results[0].outputs[0].token_ids) == GREEDY.max_tokens
     assert tiny_llm.engine.num_used_blocks == 0
@@ -170,7 +190,6 @@ def test_run_here_steps_in_the_calling_thread_until_stop(tiny_llm) -> None:
 def test_a_model_detached_from_a_served_process_is_freed(tiny_dir, tiny_llm) -> None:
     """``run_here`` freezes what is alive once warm (out of the collector's reach); a model detached
     later is unfrozen and collected with it, its reference cycles included, not kept frozen forever."""
-    import threading
     import weakref
 
     from tokenmill import LLM
@@ -181,23 +200,9 @@ def test_a_model_detached_from_a_served_process_is_freed(tiny_dir, tiny_llm) -> 
     engine = AsyncEngine({"m": tiny_llm.engine, "gone": other.engine})
     del other
 
-    def http_side() -> None:
-        async def main() -> None:
-            assert await engine.detach("gone") == 0
-            engine.stop()
+    async def http_main() -> None:
+        assert await engine.detach("gone") == 0
+        assert gone() is None  # collected in the engine thread's detach, before the freeze
 
-        while not engine.alive:
-            time.sleep(0.01)
-        asyncio.run(main())
-
-    engine.will_run_here()
-    gc.unfreeze()
-    try:
-        http = threading.Thread(target=http_side, name="http-side")
-        http.start()
-        engine.run_here()
-        http.join(10)
-        gc.collect()
-        assert gone() is None and list(engine.engines) == ["m"]
-    finally:
-        gc.unfreeze()
+    assert serve_here(engine, http_main) > 0
+    assert list(engine.engines) == ["m"]

@@ -2,7 +2,7 @@
 
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "quantize"]
+__all__ = ["LLM", "SamplingParams", "distill", "prune", "quantize"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,12 @@ def __getattr__(name: str):
         from tokenmill.quantization.api import quantize
 
         return quantize
+    if name == "prune":  # prune(model, MagnitudeConfig | WandaConfig | SparseGPTConfig | StructuredConfig)
+        from tokenmill.pruning.api import prune
+
+        return prune
+    if name == "distill":  # distill(teacher, student, DistillConfig, out_dir)
+        from tokenmill.distillation.distill import distill_models
+
+        return distill_models
     raise AttributeError(name)

@@ -453,3 +453,17 @@ def test_the_config_round_trips_through_its_dict():
     assert config.agreement_prompts == 8 and DistillConfig().agreement_prompts == 0
     assert DistillConfig(objective="acceptance", agreement_prompts=0).agreement_prompts == 0
     assert DistillConfig(eval_every=5, eval_tokens=0, agreement_prompts=2).eval_every == 5
+
+
+def test_the_library_verb_trains_a_student_held_in_memory(dirs, tmp_path):
+    """``tokenmill.distill(teacher, student, config, out)``: the teacher a model argument, the
+    student a LoadedModel trained in place (the object returned is the one passed)."""
+    import tokenmill
+
+    student = tiny_loaded(dirs["student"])
+    before = {k: v.clone() for k, v in student.model.state_dict().items()}
+    result = tokenmill.distill(str(dirs["teacher"]), student, _config(3, data=str(dirs["text"])), tmp_path / "kd",
+                               progress=False)
+    assert result.student is student and len(result.log["kd"]) == 3
+    assert any(not torch.equal(before[k], v) for k, v in student.model.state_dict().items())
+    assert (tmp_path / "kd" / "student" / "config.json").exists()

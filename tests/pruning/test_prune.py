@@ -290,3 +290,19 @@ def test_cli_prunes_a_directory_and_the_result_serves(tiny_dir, tmp_path, capsys
     assert main(["prune", str(tiny_dir), "--method", "wanda", "--sparsity", "0.5", "--num-layers", "2",
                  "--out", str(tmp_path / "x")]) == 2
     assert "--num-layers do(es) not apply to --method wanda" in capsys.readouterr().err
+
+
+def test_the_library_verb_prunes_a_model_argument_and_saves_what_loads(tiny_dir, tmp_path):
+    """``tokenmill.prune(model, config)``: a model argument (a directory here) loaded in float32,
+    pruned as the config says, and ``tokenmill.pruning.save_pruned`` writes what LLM loads."""
+    import tokenmill
+    from tokenmill import pruning
+    from tokenmill.llm import LLM
+
+    assert tokenmill.prune is pruning.prune and pruning.WandaConfig is WandaConfig
+    loaded, report = tokenmill.prune(str(tiny_dir), pruning.MagnitudeConfig(sparsity="2:4"), progress=False)
+    assert report.method == "magnitude" and report.sparsity == pytest.approx(0.5)
+    assert all(holds_pattern(p.weight, 2, 4) for p in prunable_parts(loaded.model))
+    out = pruning.save_pruned(loaded, report, tmp_path / "sparse")
+    assert json.loads((out / "config.json").read_text())["pruning"]["method"] == "magnitude"
+    assert len(LLM(str(out), dtype="float32").generate([[5, 6, 7]])[0].outputs[0].token_ids) > 0

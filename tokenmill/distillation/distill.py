@@ -142,15 +142,19 @@ def distill(teacher: CausalLM | LoadedModel, student: CausalLM | LoadedModel, co
                          plot)
 
 
-def distill_models(teacher: str | os.PathLike, student: str | os.PathLike, config: DistillConfig,
-                   out_dir: str | os.PathLike, device: str = "cpu", progress: bool = True,
+def distill_models(teacher: str | os.PathLike | LoadedModel, student: str | os.PathLike | LoadedModel,
+                   config: DistillConfig, out_dir: str | os.PathLike, device: str = "cpu", progress: bool = True,
                    cache_dir: str | os.PathLike | None = None) -> DistillResult:
-    """Load two model arguments (name, GGUF file, HF directory: e.g. one ``tokenmill prune`` wrote)
-    in float32 and :func:`distill` the first into the second."""
+    """:func:`distill` the first model into the second (``tokenmill.distill``, the CLI's verb). Each
+    is a model argument (name, GGUF file, HF directory: e.g. one ``tokenmill prune`` wrote), loaded
+    in float32 on ``device``, or a ``LoadedModel`` already in memory (a student trained in place)."""
     resolved = resolve_device(device)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    return distill(load_float32(teacher, resolved, cache), load_float32(student, resolved, cache), config, out_dir,
-                   progress, cache_dir=cache)
+
+    def load(model: str | os.PathLike | LoadedModel) -> LoadedModel:
+        return model if isinstance(model, LoadedModel) else load_float32(model, resolved, cache)
+
+    return distill(load(teacher), load(student), config, out_dir, progress, cache_dir=cache)
 
 
 # --------------------------------------------------------------------------- checks and parts

@@ -306,3 +306,17 @@ def test_the_library_verb_prunes_a_model_argument_and_saves_what_loads(tiny_dir,
     out = pruning.save_pruned(loaded, report, tmp_path / "sparse")
     assert json.loads((out / "config.json").read_text())["pruning"]["method"] == "magnitude"
     assert len(LLM(str(out), dtype="float32").generate([[5, 6, 7]])[0].outputs[0].token_ids) > 0
+
+
+@pytest.mark.parametrize("config, match", [
+    (StructuredConfig(target_params=2), "no shape over heads, channels, layers fits 2 non-embedding parameters"),
+    (StructuredConfig(target_params=1e12), "keeps the whole model"),
+    (StructuredConfig(num_layers=99), "at most the model's shape"),
+])
+def test_a_shape_the_model_cannot_take_fails_before_calibration(tiny_dir, monkeypatch, config, match):
+    """The error comes first, not after minutes of calibration (no text is needed to get it)."""
+    from tokenmill.pruning import api
+
+    monkeypatch.setattr(api, "calibration_ids", lambda *a, **k: pytest.fail("calibration ran"))
+    with pytest.raises(InvalidParameterError, match=match):
+        prune_model(load_tiny(tiny_dir).model, config, progress=False)

@@ -34,7 +34,7 @@ from tokenmill.pruning.config import (
     MagnitudeConfig, PruneConfig, SparseGPTConfig, SparsityConfig, StructuredConfig, WandaConfig)
 from tokenmill.pruning.importance import measure_importance
 from tokenmill.pruning.masks import prunable_parts
-from tokenmill.pruning.structured import Shape, parameter_count, plan, shape_for, shrink
+from tokenmill.pruning.structured import Shape, check_shape, parameter_count, plan, shape_for, shrink
 from tokenmill.pruning.unstructured import prune_magnitude, prune_sparsegpt, prune_wanda
 from tokenmill.quantization.api import load_float32
 from tokenmill.quantization.calibration import calibration_ids
@@ -127,6 +127,8 @@ def prune_model(model: CausalLM, config: PruneConfig, tokenizer: object | None =
     new, smaller model. Calibration: ``calibration`` (token ids) or the corpus, which needs
     ``tokenizer``; the magnitude method needs neither (the report's loss figures then stay NaN)."""
     handler = HANDLERS[type(config)]
+    if isinstance(config, StructuredConfig):
+        check_shape(config, model.config)  # minutes of calibration would come before the shape's error
     start = time.perf_counter()
     ctx = QuantizeContext(model.embed.weight.dtype, progress, tokenizer, cache_dir, calibration)
     has_text = tokenizer is not None or calibration is not None

@@ -195,6 +195,31 @@ def budget(config: StructuredConfig, cfg: ModelConfig) -> int:
     return int(t * full) if t < 1 else int(t)
 
 
+def planned_shapes(config: StructuredConfig, cfg: ModelConfig) -> list[Shape]:
+    """The plan's candidate shapes for ``config.target_params``; an error naming the problem where
+    there are none to plan: a budget that keeps the whole model, or one below every reachable shape."""
+    full = parameter_count(cfg).non_embedding
+    target = budget(config, cfg)
+    if target >= full:
+        raise InvalidParameterError(f"a target of {target:,} non-embedding parameters keeps the whole model "
+                                    f"({full:,}): ask for fewer (a fraction below 1, or a smaller count)")
+    shapes = candidate_shapes(cfg, target, config.dims, config.channel_multiple)
+    if not shapes:
+        smallest = parameter_count(Shape(1, 1, 1, config.channel_multiple).config(cfg, [0])).non_embedding
+        raise InvalidParameterError(
+            f"no shape over {', '.join(config.dims)} fits {target:,} non-embedding parameters "
+            f"(the model has {full:,}; the smallest reachable is {smallest:,} with heads, channels and layers)")
+    return shapes
+
+
+def check_shape(config: StructuredConfig, cfg: ModelConfig) -> None:
+    """Raise now, before any calibration pass, where ``config`` asks for a shape ``cfg`` cannot take."""
+    if config.target_params is not None:
+        planned_shapes(config, cfg)
+    else:
+        shape_for(config, cfg)
+
+
 def candidate_shapes(cfg: ModelConfig, target: int, dims: tuple[str, ...], multiple: int) -> list[Shape]:
     """Shapes with at most ``target`` non-embedding parameters, each as large as the budget lets the
     FFN (with ``channels``) or the depth (without) be: every KV-group count and heads-per-group of
@@ -243,15 +268,7 @@ def plan(model: CausalLM, config: StructuredConfig, importance: Importance, samp
          progress: bool = True, max_candidates: int = 16) -> tuple[Shape, list[PlanEntry]]:
     """The shape within ``config.target_params`` whose shrunk model has the lowest loss on
     ``samples``, and every candidate's figures (lowest loss first)."""
-    cfg = model.config
-    target = budget(config, cfg)
-    shapes = candidate_shapes(cfg, target, config.dims, config.channel_multiple)
-    if not shapes:
-        smallest = parameter_count(Shape(1, 1, 1, config.channel_multiple).config(cfg, [0])).non_embedding
-        raise InvalidParameterError(
-            f"no shape over {', '.join(config.dims)} fits {target:,} non-embedding parameters "
-            f"(the model has {parameter_count(cfg).non_embedding:,}; the smallest reachable is "
-            f"{smallest:,} with heads, channels and layers)")
+    shapes = planned_shapes(config, model.config)
     if len(shapes) > max_candidates:  # evenly over the list, which runs from the largest
         shapes = [shapes[round(i * (len(shapes) - 1) / (max_candidates - 1))] for i in range(max_candidates)]
     ids = [t for s in samples for t in s]

@@ -320,3 +320,38 @@ def test_a_shape_the_model_cannot_take_fails_before_calibration(tiny_dir, monkey
     monkeypatch.setattr(api, "calibration_ids", lambda *a, **k: pytest.fail("calibration ran"))
     with pytest.raises(InvalidParameterError, match=match):
         prune_model(load_tiny(tiny_dir).model, config, progress=False)
+
+
+def test_a_structured_prune_quantizes_and_serves(tiny_dir, tmp_path):
+    """The smaller dense directory goes on through ``quantize`` and ``serve`` as any checkpoint does:
+    the int8 directory generates what the quantized model in memory picks, and the server answers
+    with the same text."""
+    import openai
+
+    from tests.server.conftest import MODEL, live_server
+    from tokenmill.llm import LLM
+    from tokenmill.quantization import Int8WeightOnlyConfig, quantize, save_quantized
+    from tokenmill.sampling_params import SamplingParams
+
+    loaded = load_tiny(tiny_dir)
+    model, report = prune_model(loaded.model, StructuredConfig(num_layers=2, num_kv_heads=2, intermediate_size=64),
+                                calibration=calibration(), progress=False)
+    loaded.model, loaded.config = model, model.config
+    pruned = save_pruned(loaded, report, tmp_path / "pruned")
+    quantized = quantize(str(pruned), Int8WeightOnlyConfig(), dtype="float32", progress=False)
+    assert quantized.config.num_layers == 2 and quantized.config.num_kv_heads == 2
+    out = save_quantized(quantized, tmp_path / "int8")
+    prompt = "pruned, then quantized"
+    ids = quantized.tokenizer.encode(prompt)
+    expected: list[int] = []
+    for _ in range(6):  # greedy by hand through the quantized model in memory
+        expected.append(int(prompt_logits(quantized.model, ids + expected)[-1].argmax()))
+    llm = LLM(str(out), dtype="float32", device="cpu", max_num_seqs=2, kv_cache_memory=2**22)
+    offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    assert offline.token_ids == expected
+    with live_server(llm) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.choices[0].text == offline.text and answer.usage.completion_tokens == 6
+        server.wait_idle()

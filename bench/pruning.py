@@ -105,7 +105,7 @@ def distilled(name: str, source: Path, model_arg: str, steps: int, lr: float, ba
 def distill_cost(path: Path) -> dict:
     """Wall time and tokens of the distillation that wrote ``path`` (its config.json), if one did."""
     record = json.loads((path / "config.json").read_text()).get("distillation")
-    if not record:
+    if not record or "wall_seconds" not in record:  # none, or a run's student-latest (a checkpoint's record)
         return {}
     return {"distill_seconds": record["wall_seconds"], "distill_tokens": record["tokens_seen"],
             "distill_steps": record["config"]["train"]["steps"]}

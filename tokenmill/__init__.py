@@ -1,26 +1,21 @@
 """tokenmill: serve and optimize language models on CPU and CUDA."""
 
+import importlib
+
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "distill", "prune", "quantize"]
+# LLM pulls in torch and the model code; each name loads on first use so `import tokenmill` stays light.
+_EXPORTS = {
+    "LLM": ("tokenmill.llm", "LLM"),
+    "quantize": ("tokenmill.quantization.api", "quantize"),  # quantize(model, Int4WeightOnlyConfig | ...)
+    "prune": ("tokenmill.pruning.api", "prune"),  # prune(model, MagnitudeConfig | ... | StructuredConfig)
+    "distill": ("tokenmill.distillation.distill", "distill_models"),  # distill(teacher, student, config, out)
+}
+__all__ = ["SamplingParams", *_EXPORTS]
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and the model code; import it on first use so `import tokenmill` stays light.
-    if name == "LLM":
-        from tokenmill.llm import LLM
-
-        return LLM
-    if name == "quantize":
-        from tokenmill.quantization.api import quantize
-
-        return quantize
-    if name == "prune":  # prune(model, MagnitudeConfig | WandaConfig | SparseGPTConfig | StructuredConfig)
-        from tokenmill.pruning.api import prune
-
-        return prune
-    if name == "distill":  # distill(teacher, student, DistillConfig, out_dir)
-        from tokenmill.distillation.distill import distill_models
-
-        return distill_models
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(name)

@@ -1,5 +1,6 @@
 """Clients that go away: 20 streaming clients killed mid-stream and non-streaming clients that hang
-up are all aborted, and every KV block is free again."""
+up are all aborted, and every KV block is free again, with speculation off and with n-gram
+speculation drafting (its verification slots and rolled-back tokens included)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,24 @@ CLIENTS = 20
 MAX_TOKENS = 200
 
 
-@pytest.fixture(scope="module")
-def wide_llm(tiny_dir) -> LLM:
-    """Room for all 20 streams at once."""
-    return LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=24)
+@pytest.fixture(scope="module", params=["plain", "ngram"])
+def wide_llm(request, tiny_dir) -> LLM:
+    """Room for all 20 streams at once; "ngram" drafts at every step (the adaptive rule off)."""
+    if request.param == "plain":
+        return LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=24)
+    return LLM(str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=24,
+               speculative={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+
+
+def drafted(llm: LLM) -> int | None:
+    """Draft tokens proposed so far; None without speculation."""
+    return None if llm.engine.drafter is None else llm.engine.drafter.counters.num_draft_tokens
+
+
+def assert_drafted_since(llm: LLM, before: int | None) -> None:
+    """A speculating server's requests drafted before they were cut (else the case tests nothing new)."""
+    if before is not None:
+        assert drafted(llm) > before
 
 
 def request_bytes(port: int, body: dict) -> bytes:
@@ -46,12 +61,14 @@ async def stream_then_vanish(port: int, i: int) -> int:
 
 
 def test_twenty_streaming_clients_killed_mid_stream(wide_llm) -> None:
+    before = drafted(wide_llm)
     with live_server(wide_llm) as server:
         async def run() -> list[int]:
             return await asyncio.gather(*(stream_then_vanish(server.port, i) for i in range(CLIENTS)))
 
         assert all(n >= 2 for n in asyncio.run(run()))
         server.wait_idle(timeout=10)
+        assert_drafted_since(wide_llm, before)
         m = server.metrics()
         label = f'{{model_name="{MODEL}",reason="client_disconnected"}}'
         assert m[f"tokenmill:request_rejected_total{label}"] == CLIENTS
@@ -61,6 +78,7 @@ def test_twenty_streaming_clients_killed_mid_stream(wide_llm) -> None:
 
 
 def test_non_streaming_clients_that_hang_up_are_aborted(wide_llm) -> None:
+    before = drafted(wide_llm)
     with live_server(wide_llm) as server:
         socks = []
         for i in range(5):
@@ -75,6 +93,7 @@ def test_non_streaming_clients_that_hang_up_are_aborted(wide_llm) -> None:
         for sock in socks:
             sock.close()
         server.wait_idle(timeout=10)
+        assert_drafted_since(wide_llm, before)
         m = server.metrics()
         assert m[f'tokenmill:request_rejected_total{{model_name="{MODEL}",reason="client_disconnected"}}'] == 5
         assert m[f'tokenmill:generation_tokens_total{{model_name="{MODEL}"}}'] < 5 * 240

@@ -14,6 +14,7 @@ from tests.engine.test_batch_invariance import compare
 from tests.server.conftest import build_tiny_checkpoint
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine import SpeculativeConfig
+from tokenmill.engine.block_pool import BlockHasher
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.spec.ngram import NgramProposer
 from tokenmill.errors import InvalidParameterError
@@ -258,6 +259,25 @@ def draft_dir(tiny_dir, tmp_path_factory):
     save_file({**tensors, "lm_head.weight": embed[order].contiguous()}, path / "model.safetensors",
               metadata={"format": "pt"})
     return path
+
+
+def test_the_prefix_cache_holds_only_blocks_of_kept_tokens(tiny_dir, draft_dir):
+    """Refused draft tokens never reach the prefix cache: every block hash it holds after drafts
+    were both kept and refused is a block of some request's prompt and output."""
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", prefix_hash_key="k",
+              speculative={"method": "draft", "draft_model": str(draft_dir), "num_speculative_tokens": 3,
+                           "adaptive": False})
+    prompts = [[(7 * i + j) % 250 for j in range(5 + 9 * i)] for i in range(8)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    c = llm.engine.drafter.counters
+    assert 0 < c.num_accepted_tokens < c.num_draft_tokens
+    block_size = llm.engine.config.cache.block_size
+    written = set()
+    for prompt, out in zip(prompts, outputs):
+        written |= set(BlockHasher("k").chain(prompt + out.outputs[0].token_ids, block_size))
+    cached = set(llm.engine.cached_block_hashes())
+    assert len(cached) > len(prompts) and cached <= written
+    assert llm.engine.num_used_blocks == 0
 
 
 MIXED = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),

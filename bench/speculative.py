@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.chat_requests import generic_request
 from tokenmill.eval.corpus import fetch_corpus
 from tokenmill.eval.prompts import chat_prompts
 
@@ -78,9 +79,12 @@ CODE_NAMES = ["mean", "variance", "stddev", "zscores", "moving_average"]
 
 
 def prompt_texts(workload: str, n: int, seed: int) -> list[str]:
-    """The workload's n prompts (the user's text), drawn from the corpus with ``seed``."""
-    text = fetch_corpus().read_text(encoding="utf-8")
+    """The workload's n prompts (the user's text), drawn from the corpus with ``seed``; ``chat``:
+    the held-out chat requests, the texts of ``chat_prompts(split="eval")`` with the same seed."""
     rng = random.Random(seed)
+    if workload == "chat":
+        return [generic_request(rng, "eval") for _ in range(n)]
+    text = fetch_corpus().read_text(encoding="utf-8")
     out = []
     for i in range(n):
         at = rng.randrange(0, len(text) - 2000)

@@ -1,6 +1,6 @@
 """Clients that go away: 20 streaming clients killed mid-stream and non-streaming clients that hang
 up are all aborted, and every KV block is free again, with speculation off and with n-gram
-speculation drafting (its verification slots and rolled-back tokens included)."""
+speculation drafting (the slots its verification steps allocate included)."""
 
 from __future__ import annotations
 

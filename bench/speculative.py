@@ -31,9 +31,8 @@ import time
 from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.chat_requests import generic_request
 from tokenmill.eval.corpus import fetch_corpus
-from tokenmill.eval.prompts import chat_prompts
+from tokenmill.eval.prompts import chat_prompts, chat_texts
 
 RESULTS = Path(__file__).parent / "results"
 WARMUP_TOKENS = 32
@@ -80,11 +79,11 @@ CODE_NAMES = ["mean", "variance", "stddev", "zscores", "moving_average"]
 
 def prompt_texts(workload: str, n: int, seed: int) -> list[str]:
     """The workload's n prompts (the user's text), drawn from the corpus with ``seed``; ``chat``:
-    the held-out chat requests, the texts of ``chat_prompts(split="eval")`` with the same seed."""
-    rng = random.Random(seed)
+    the held-out chat requests (the texts ``chat_prompts(split="eval")`` renders)."""
     if workload == "chat":
-        return [generic_request(rng, "eval") for _ in range(n)]
+        return chat_texts(n, seed, split="eval")
     text = fetch_corpus().read_text(encoding="utf-8")
+    rng = random.Random(seed)
     out = []
     for i in range(n):
         at = rng.randrange(0, len(text) - 2000)

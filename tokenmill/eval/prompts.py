@@ -19,7 +19,7 @@ from tokenmill.chat_requests import EVAL_TOPICS, SPLITS, TASKS, TOPICS, generic_
 from tokenmill.errors import InvalidParameterError
 from tokenmill.eval.corpus import fetch_corpus
 
-__all__ = ["EVAL_TOPICS", "TASKS", "TOPICS", "chat_prompts"]
+__all__ = ["EVAL_TOPICS", "TASKS", "TOPICS", "chat_prompts", "chat_texts"]
 
 TRAIN_SPLIT = (0.25, 0.75)
 """The corpus characters training prompts cut passages from (the middle half: perplexity reads
@@ -36,9 +36,9 @@ INSTRUCTIONS = [
 """Tasks on a corpus passage."""
 
 
-def chat_prompts(tokenizer: Any, n: int, seed: int, split: str = "train", passage_chars: int = 1200) -> list[list[int]]:
-    """``n`` prompts (token ids, seeded) of ``split``; see the module docstring. ``tokenizer``:
-    one with ``apply_chat_template`` and ``encode`` (tokenmill's Tokenizer)."""
+def chat_texts(n: int, seed: int, split: str = "train", passage_chars: int = 1200) -> list[str]:
+    """The user's text of each of :func:`chat_prompts`' ``n`` prompts (the same ones for the same
+    ``seed``, ``split`` and ``passage_chars``), before the chat template."""
     if split not in SPLITS:
         raise InvalidParameterError(f"chat prompts: split must be one of {SPLITS}, got {split!r}")
     rng = random.Random(seed)
@@ -55,4 +55,10 @@ def chat_prompts(tokenizer: Any, n: int, seed: int, split: str = "train", passag
             passage = text[at:at + rng.randrange(max(1, passage_chars // 4), passage_chars + 1)]
             content = INSTRUCTIONS[(i // 2) % len(INSTRUCTIONS)].format(passage=passage)
         contents.append(content)
-    return user_turns(tokenizer, contents)
+    return contents
+
+
+def chat_prompts(tokenizer: Any, n: int, seed: int, split: str = "train", passage_chars: int = 1200) -> list[list[int]]:
+    """``n`` prompts (token ids, seeded) of ``split``; see the module docstring. ``tokenizer``:
+    one with ``apply_chat_template`` and ``encode`` (tokenmill's Tokenizer)."""
+    return user_turns(tokenizer, chat_texts(n, seed, split, passage_chars))
